@@ -1,0 +1,51 @@
+"""The exceptions weightsync raises: one base class and one subclass per way a sync can fail."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class WeightSyncError(RuntimeError):
+    """Base class of every error weightsync raises on purpose."""
+
+
+class SchemaMismatchError(WeightSyncError, ValueError):
+    """Two sides disagree on the layout (names, shapes or dtypes) of the weights.
+
+    Raised before any byte is written on either side. ``key`` names the first offending
+    entry, ``expected`` and ``got`` say what each side has (``None`` where a key is absent).
+    """
+
+    def __init__(
+        self, message: str, *, key: str | None = None, expected: Any = None, got: Any = None
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.got = got
+
+
+class WorkerLostError(WeightSyncError):
+    """One or more workers died or dropped their connection; ``worker_ids`` names them."""
+
+    def __init__(self, message: str, *, worker_ids: Iterable[int] = (), version: int | None = None):
+        super().__init__(message)
+        self.worker_ids = tuple(sorted(set(worker_ids)))
+        self.version = version
+
+
+class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
+    """A blocking call ran past its deadline; ``worker_ids`` names who did not answer, if known."""
+
+    def __init__(self, message: str, *, worker_ids: Iterable[int] = ()):
+        super().__init__(message)
+        self.worker_ids = tuple(sorted(set(worker_ids)))
+
+
+class IntegrityError(WeightSyncError):
+    """Bytes that arrived or lie on disk do not match their checksum or manifest."""
+
+
+class SenderLostError(WeightSyncError):
+    """The trainer a receiver was connected to died or closed the connection."""

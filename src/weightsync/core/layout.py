@@ -1,0 +1,327 @@
+"""The layout of a set of weights, and how it packs into flat per-device, per-dtype buckets.
+
+A layout is the ordered names, shapes, dtypes and devices of the tensors, plus a
+fingerprint of (names, shapes, dtypes). Both sides of a sync agree on it before any byte
+moves; a send is then one large copy per bucket instead of one call per tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.core.errors import SchemaMismatchError
+
+#: Byte alignment of every bucket inside a device buffer (a cache line; also any dtype's size).
+BUCKET_ALIGNMENT = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the spelling used in headers and manifests."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; refuses anything that is not a torch dtype."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def _align(offset: int) -> int:
+    return (offset + BUCKET_ALIGNMENT - 1) // BUCKET_ALIGNMENT * BUCKET_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape, dtype and device of one tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str = "cpu"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"shape {tuple(self.shape)} dtype {dtype_name(self.dtype)}"
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One flat bucket: the tensors of one (device, dtype), back to back, at ``byte_offset``."""
+
+    device: str
+    dtype: torch.dtype
+    byte_offset: int
+    numel: int
+    names: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Layout:
+    """Ordered tensor specs with their packing into buckets; immutable once built."""
+
+    def __init__(self, specs: Iterable[TensorSpec]) -> None:
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self._by_name: dict[str, TensorSpec] = {}
+        for spec in self.specs:
+            if spec.name in self._by_name:
+                raise ValueError(f"duplicate weight name {spec.name!r}")
+            self._by_name[spec.name] = spec
+        self.buckets, self._slots, self.nbytes_by_device = self._plan_buckets(self.specs)
+        self.fingerprint = self._compute_fingerprint(self.specs)
+
+    @staticmethod
+    def _plan_buckets(
+        specs: tuple[TensorSpec, ...],
+    ) -> tuple[tuple[BucketSpec, ...], dict[str, tuple[int, int]], dict[str, int]]:
+        groups: dict[tuple[str, torch.dtype], list[TensorSpec]] = {}
+        for spec in specs:
+            groups.setdefault((spec.device, spec.dtype), []).append(spec)
+        buckets: list[BucketSpec] = []
+        slots: dict[str, tuple[int, int]] = {}
+        device_end: dict[str, int] = {}
+        for (device, dtype), members in groups.items():
+            start = _align(device_end.get(device, 0))
+            numel = 0
+            for spec in members:
+                slots[spec.name] = (len(buckets), numel)
+                numel += spec.numel
+            buckets.append(BucketSpec(device, dtype, start, numel, tuple(s.name for s in members)))
+            device_end[device] = start + numel * dtype.itemsize
+        return tuple(buckets), slots, {d: _align(end) for d, end in device_end.items()}
+
+    @staticmethod
+    def _compute_fingerprint(specs: tuple[TensorSpec, ...]) -> str:
+        canon = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in specs]
+        return hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, torch.Tensor]) -> Layout:
+        """The layout of a flat ``name -> tensor`` mapping, in its iteration order."""
+        return cls(
+            TensorSpec(name, tuple(t.shape), t.dtype, str(t.device)) for name, t in weights.items()
+        )
+
+    def on_device(self, device: str | torch.device) -> Layout:
+        """The same layout with every tensor placed on ``device``."""
+        return Layout(TensorSpec(s.name, s.shape, s.dtype, str(device)) for s in self.specs)
+
+    def with_dtype(self, dtype: torch.dtype | None) -> Layout:
+        """The same layout with floating-point tensors cast to ``dtype`` (None: unchanged)."""
+        if dtype is None:
+            return self
+        return Layout(
+            TensorSpec(s.name, s.shape, dtype if s.dtype.is_floating_point else s.dtype, s.device)
+            for s in self.specs
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe description; :meth:`from_dict` reads it back (no pickle involved)."""
+        return {
+            "fingerprint": self.fingerprint,
+            "tensors": [
+                {"name": s.name, "shape": list(s.shape), "dtype": dtype_name(s.dtype), "device": s.device}
+                for s in self.specs
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
+        try:
+            layout = cls(
+                TensorSpec(
+                    str(t["name"]),
+                    tuple(int(d) for d in t["shape"]),
+                    dtype_from_name(str(t["dtype"])),
+                    str(t.get("device", "cpu")),
+                )
+                for t in data["tensors"]
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed layout description: {exc}") from exc
+        if "fingerprint" in data and data["fingerprint"] != layout.fingerprint:
+            raise ValueError("layout description does not match its own fingerprint")
+        return layout
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return iter(self.specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.specs == other.specs
+
+    def __hash__(self) -> int:
+        return hash(self.specs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout({len(self.specs)} tensors, {self.nbytes} bytes, "
+            f"{len(self.buckets)} buckets, fingerprint={self.fingerprint})"
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all buffers together, alignment padding included."""
+        return sum(self.nbytes_by_device.values())
+
+    # ------------------------------------------------------------------ validation
+    def check_weights(
+        self, weights: Mapping[str, torch.Tensor], *, expected_by: str = "the registered layout",
+        given_by: str = "the given weights",
+    ) -> None:
+        """Raise :class:`SchemaMismatchError` unless ``weights`` has exactly this layout's
+        names, shapes and dtypes (devices may differ: copies move bytes across devices)."""
+        for spec in self.specs:
+            tensor = weights.get(spec.name)
+            if tensor is None:
+                raise SchemaMismatchError(
+                    f"key {spec.name!r} is in {expected_by} ({spec.describe()}) but missing from "
+                    f"{given_by}",
+                    key=spec.name, expected=spec.describe(), got=None,
+                )
+            if not isinstance(tensor, torch.Tensor):
+                raise SchemaMismatchError(
+                    f"key {spec.name!r}: {given_by} holds a {type(tensor).__name__}, not a tensor",
+                    key=spec.name, expected=spec.describe(), got=type(tensor).__name__,
+                )
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                got = TensorSpec(spec.name, tuple(tensor.shape), tensor.dtype).describe()
+                raise SchemaMismatchError(
+                    f"key {spec.name!r}: {expected_by} has {spec.describe()}, {given_by} has {got}",
+                    key=spec.name, expected=spec.describe(), got=got,
+                )
+        if len(weights) != len(self.specs):
+            extra = next(k for k in weights if k not in self._by_name)
+            raise SchemaMismatchError(
+                f"key {extra!r} is in {given_by} but not in {expected_by}",
+                key=extra, expected=None, got=TensorSpec(
+                    extra, tuple(weights[extra].shape), weights[extra].dtype).describe(),
+            )
+
+    def check_compatible(
+        self, other: Layout, *, self_name: str = "the sender", other_name: str = "the receiver",
+        ignore_dtype: bool = False,
+    ) -> None:
+        """Raise :class:`SchemaMismatchError` naming the first key on which the layouts
+        differ in presence, shape or (unless ``ignore_dtype``) dtype."""
+        for spec in self.specs:
+            theirs = other._by_name.get(spec.name)
+            if theirs is None:
+                raise SchemaMismatchError(
+                    f"key {spec.name!r} ({spec.describe()}) is on {self_name} but not on "
+                    f"{other_name}", key=spec.name, expected=spec.describe(), got=None,
+                )
+            if spec.shape != theirs.shape or (not ignore_dtype and spec.dtype != theirs.dtype):
+                raise SchemaMismatchError(
+                    f"key {spec.name!r}: {self_name} has {spec.describe()}, {other_name} has "
+                    f"{theirs.describe()}",
+                    key=spec.name, expected=spec.describe(), got=theirs.describe(),
+                )
+        for theirs in other.specs:
+            if theirs.name not in self._by_name:
+                raise SchemaMismatchError(
+                    f"key {theirs.name!r} ({theirs.describe()}) is on {other_name} but not on "
+                    f"{self_name}", key=theirs.name, expected=None, got=theirs.describe(),
+                )
+
+    # ------------------------------------------------------------------ buffers
+    def allocate(self, *, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+        """Fresh zeroed uint8 buffers, one per device, sized for this layout."""
+        return {
+            device: torch.zeros(
+                nbytes, dtype=torch.uint8, device=device,
+                pin_memory=pin_memory and device == "cpu" and torch.cuda.is_available(),
+            )
+            for device, nbytes in self.nbytes_by_device.items()
+        }
+
+    def bucket_views(self, buffers: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Typed flat views of each bucket inside ``buffers`` (uint8, one per device)."""
+        views = []
+        for bucket in self.buckets:
+            raw = buffers[bucket.device][bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
+            views.append(raw.view(bucket.dtype))
+        return views
+
+    def tensor_views(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``name -> tensor`` views into ``buffers``, shaped as the layout says."""
+        bucket_views = self.bucket_views(buffers)
+        views = {}
+        for spec in self.specs:
+            index, start = self._slots[spec.name]
+            views[spec.name] = bucket_views[index][start : start + spec.numel].view(spec.shape)
+        return views
+
+    @torch.no_grad()
+    def pack(self, weights: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``weights`` (already checked against this layout) into ``buffers``.
+
+        One ``torch.cat`` per bucket when every source already sits on the bucket's device
+        and has its dtype; otherwise one fused per-bucket copy (device moves, casts)."""
+        for bucket, view in zip(self.buckets, self.bucket_views(buffers), strict=True):
+            sources = [weights[name].detach() for name in bucket.names]
+            if all(s.device == view.device and s.dtype == view.dtype for s in sources):
+                if len(sources) == 1:
+                    view.copy_(sources[0].reshape(-1))
+                else:
+                    torch.cat([s.reshape(-1) for s in sources], out=view)
+            else:
+                targets, start = [], 0
+                for s in sources:
+                    targets.append(view[start : start + s.numel()].view(s.shape))
+                    start += s.numel()
+                _copy_all(targets, sources)
+
+    @torch.no_grad()
+    def unpack(self, buffers: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor]) -> None:
+        """Copy every tensor out of ``buffers`` into the matching tensor of ``dest``."""
+        views = self.tensor_views(buffers)
+        _copy_all([dest[name] for name in self.names], [views[name] for name in self.names])
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``t.copy_(s)`` for each pair, fused into one ``_foreach_copy_`` call where possible."""
+    if not targets:
+        return
+    targets = [t.data if isinstance(t, torch.nn.Parameter) else t for t in targets]
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        try:
+            foreach_copy(targets, sources)
+            return
+        except (RuntimeError, TypeError):
+            pass  # mixed devices or dtypes that the fused kernel refuses: go one by one
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)

@@ -1,0 +1,13 @@
+"""Schemes: the sender/receiver API on top of a transport (rendezvous, versions, acks)."""
+
+from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme
+from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
+from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
+
+__all__ = [
+    "MultiProcessWeightSyncScheme",
+    "SharedMemWeightSyncScheme",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncScheme",
+]

@@ -1,0 +1,602 @@
+"""What the two same-host schemes share: a rendezvous socket, a hub thread on the sender
+that accepts (re)connecting workers and collects acks, and a reader thread per receiver.
+
+The hub is what lets a restarted worker join and take the current version while the
+trainer is busy elsewhere, and what turns a dead worker (its socket hits EOF the moment
+the kernel reaps it) into a :class:`WorkerLostError` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import select
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import (
+    SchemaMismatchError,
+    SenderLostError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
+from weightsync.core.layout import Layout
+from weightsync.core.stats import SendRecord
+from weightsync.core.strategy import WeightStrategy, flat_tensors
+from weightsync.core.versions import NO_VERSION, VersionTable
+from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme, lost_error
+from weightsync.transports.local_channel import (
+    Channel,
+    ChannelClosed,
+    ChannelListener,
+    ChannelTimeout,
+    Message,
+    connect_channel,
+    new_address,
+)
+
+logger = logging.getLogger(__name__)
+
+_HUB_TICK = 0.2
+
+
+class LocalScheme(WeightSyncScheme):
+    """A scheme for ``num_workers`` processes of this host; picklable (plain data only)."""
+
+    def __init__(
+        self, num_workers: int = 1, *, timeout: float = 60.0,
+        strategy: WeightStrategy | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout, strategy=strategy)
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.address = new_address()
+        self.token = secrets.token_hex(16)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_workers={self.num_workers}, timeout={self.timeout})"
+
+
+@dataclass
+class _PendingSend:
+    version: int
+    requested: list[int]
+    targets: list[int]
+    lost: dict[int, str]
+    nbytes: int
+    phases: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+class LocalSender(WeightSender):
+    """Sender of a same-host scheme; subclasses say how a version is published."""
+
+    def __init__(self, scheme: LocalScheme) -> None:
+        super().__init__(scheme)
+        self.scheme: LocalScheme = scheme
+        self._table = VersionTable(scheme.num_workers)
+        self._cond = threading.Condition()
+        self._channels: dict[int, Channel] = {}
+        self._why: dict[int, str] = {}
+        self._reported: set[int] = set()
+        self._pending: _PendingSend | None = None
+        self._listener = ChannelListener(scheme.address)
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop = False
+        self._hub = threading.Thread(target=self._run_hub, name="weightsync-hub", daemon=True)
+        self._hub.start()
+
+    # ================================================================== transport hooks
+    @abc.abstractmethod
+    def _publish(
+        self, flat: Mapping[str, torch.Tensor], targets: list[int], version: int, deadline: Deadline
+    ) -> None:
+        """Take the snapshot of ``flat`` as ``version`` and make it available to ``targets``."""
+
+    @abc.abstractmethod
+    def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
+        """Push ``version`` to each target (or just wake it); returns {worker: why} of losses."""
+
+    @abc.abstractmethod
+    def _on_join(self, worker_idx: int, channel: Channel) -> None:
+        """A worker (re)connected: hand it what it needs to take the current version."""
+
+    def _on_lost(self, worker_idx: int) -> None:
+        """A worker is gone: forget what the transport kept for it."""
+
+    def _close_transport(self) -> None:
+        """Release the transport's resources."""
+
+    _deliver_in_background = False
+
+    # ================================================================== hub thread
+    def _run_hub(self) -> None:
+        while not self._stop:
+            with self._cond:
+                channels = dict(self._channels)
+            poller = select.poll()
+            poller.register(self._listener.fileno(), select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+            by_fd = {}
+            for idx, channel in channels.items():
+                with contextlib.suppress(OSError, ValueError):
+                    poller.register(channel.fileno(), select.POLLIN)
+                    by_fd[channel.fileno()] = (idx, channel)
+            try:
+                events = poller.poll(int(_HUB_TICK * 1000))
+            except InterruptedError:
+                continue
+            for fd, _event in events:
+                if self._stop:
+                    return
+                if fd == self._wake_r:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 4096)
+                elif fd == self._listener.fileno():
+                    self._accept()
+                elif fd in by_fd:
+                    self._read_from(*by_fd[fd])
+
+    def _wake_hub(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _accept(self) -> None:
+        channel = self._listener.accept(timeout=0.0)
+        if channel is None:
+            return
+        try:
+            hello = channel.recv(timeout=5.0).header
+        except (ChannelClosed, ChannelTimeout):
+            channel.close()
+            return
+        refusal = self._check_hello(hello)
+        if refusal is not None:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout):
+                channel.send({"t": "refused"} | refusal, timeout=1.0)
+            channel.close()
+            return
+        idx = int(hello["worker_idx"])
+        with self._cond:
+            old = self._channels.pop(idx, None)
+            if old is not None:
+                old.close()
+            state = self._table.workers[idx]
+            state.connected, state.lost, state.error = True, False, None
+            state.pid, state.version = hello.get("pid"), NO_VERSION
+            self._why.pop(idx, None)
+            self._reported.discard(idx)
+            self._channels[idx] = channel
+            self._cond.notify_all()
+        try:
+            channel.send({"t": "welcome", "worker_idx": idx}, timeout=5.0)
+            self._on_join(idx, channel)
+        except (ChannelClosed, ChannelTimeout, OSError) as exc:
+            self._mark_lost(idx, channel, f"failed while joining: {exc}")
+            return
+        logger.info("worker %d connected (pid %s)", idx, hello.get("pid"))
+
+    def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any] | None:
+        if hello.get("t") != "hello" or not hmac.compare_digest(
+            str(hello.get("token", "")), self.scheme.token
+        ):
+            return {"kind": "token", "error": "bad handshake: not a worker of this scheme"}
+        idx = hello.get("worker_idx")
+        if not isinstance(idx, int) or not 0 <= idx < self.scheme.num_workers:
+            return {
+                "kind": "index",
+                "error": f"worker_idx {idx!r} is out of range: this scheme has "
+                f"num_workers={self.scheme.num_workers}",
+            }
+        with self._cond:
+            current = self._channels.get(idx)
+        if current is not None and not current.peer_closed():
+            pid = self._table.workers[idx].pid
+            return {"kind": "index", "error": f"worker {idx} is already connected (pid {pid})"}
+        if self._layout is not None and hello.get("layout") is not None:
+            try:
+                self._layout.check_compatible(
+                    Layout.from_dict(hello["layout"]), other_name=f"worker {idx}"
+                )
+            except (SchemaMismatchError, ValueError) as exc:
+                with self._cond:
+                    self._why[idx] = str(exc)
+                    self._table.workers[idx].error = str(exc)
+                    self._cond.notify_all()
+                return {"kind": "schema", "error": str(exc), "key": getattr(exc, "key", None)}
+        return None
+
+    def _read_from(self, idx: int, channel: Channel) -> None:
+        try:
+            message = channel.recv(timeout=5.0)
+        except (ChannelClosed, ChannelTimeout) as exc:
+            self._mark_lost(idx, channel, f"connection closed ({exc}); did the process die?")
+            return
+        kind = message.header.get("t")
+        with self._cond:
+            state = self._table.workers[idx]
+            if kind == "ack":
+                state.version = max(state.version, int(message.header["v"]))
+            elif kind == "mismatch":
+                state.error = self._why[idx] = str(message.header.get("error"))
+            self._cond.notify_all()
+
+    def _mark_lost(self, idx: int, channel: Channel, why: str) -> None:
+        with self._cond:
+            if self._channels.get(idx) is not channel:
+                return
+            del self._channels[idx]
+            state = self._table.workers[idx]
+            state.connected, state.lost = False, True
+            self._why[idx] = why
+            self._cond.notify_all()
+        self._on_lost(idx)
+        channel.close()
+        logger.warning("worker %d lost: %s", idx, why)
+
+    # ================================================================== API
+    @property
+    def version(self) -> int:
+        return self._table.published
+
+    def worker_lag(self) -> dict[int, int]:
+        with self._cond:
+            return self._table.lag()
+
+    def connected_workers(self) -> list[int]:
+        with self._cond:
+            return sorted(self._channels)
+
+    def connect(self, timeout: float | None = None) -> int:
+        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
+        self._check_open()
+        if self._table.published == NO_VERSION:
+            flat = self._weights_to_send(None)
+            with self._cond:
+                targets = sorted(self._channels)
+            self._publish(flat, targets, 0, deadline)
+            self._table.published = 0
+            self._deliver(targets, 0, deadline)
+        with self._cond:
+            while True:
+                workers = self._table.workers.values()
+                failed = {w.worker_idx: w.error for w in workers if w.error}
+                if failed:
+                    idx, why = next(iter(failed.items()))
+                    raise SchemaMismatchError(f"worker {idx} refused the weights: {why}")
+                waiting = [w.worker_idx for w in workers if w.version < 0]
+                if not waiting:
+                    return self._table.published
+                if deadline.expired():
+                    lost = [w for w in waiting if self._table.workers[w].lost]
+                    if lost:
+                        raise lost_error(lost, self._table.published, self._why)
+                    raise WeightSyncTimeoutError(
+                        f"connect: worker(s) {waiting} did not connect and take version "
+                        f"{self._table.published} within {deadline.timeout}s "
+                        f"(connected: {sorted(self._channels)})",
+                        worker_ids=waiting,
+                    )
+                self._cond.wait(deadline.slice(_HUB_TICK))
+
+    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        self._start_send(weights, worker_ids, background=self._deliver_in_background)
+
+    def send(
+        self, weights: Any = None, worker_ids: int | list[int] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        self._start_send(weights, worker_ids, background=False, timeout=timeout)
+        return self.wait_async(timeout)
+
+    def _start_send(
+        self, weights: Any, worker_ids: int | list[int] | None, *, background: bool,
+        timeout: float | None = None,
+    ) -> None:
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError("a send_async() is still pending: call wait_async() first")
+        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
+        if self._table.published == NO_VERSION:
+            self.connect(deadline.remaining())
+        requested = self._table.check_worker_ids(worker_ids)
+        flat = self._weights_to_send(weights)
+        version = self._table.published + 1
+        with self._cond:
+            targets = [w for w in requested if w in self._channels]
+            lost = {
+                w: self._why.get(w, "not connected")
+                for w in requested
+                if w not in self._channels and (worker_ids is not None or w not in self._reported)
+            }
+        assert self._layout is not None
+        pending = _PendingSend(version, requested, targets, lost, self._layout.nbytes)
+        t0 = time.perf_counter()
+        self._publish(flat, targets, version, deadline)
+        self._table.published = version
+        pending.phases["publish"] = time.perf_counter() - t0
+        self._pending = pending
+        if background:
+            pending.thread = threading.Thread(
+                target=self._deliver_pending, args=(pending, deadline),
+                name="weightsync-deliver", daemon=True,
+            )
+            pending.thread.start()
+        else:
+            self._deliver_pending(pending, deadline)
+
+    def _deliver_pending(self, pending: _PendingSend, deadline: Deadline) -> None:
+        t0 = time.perf_counter()
+        try:
+            pending.lost.update(self._deliver(pending.targets, pending.version, deadline))
+        except BaseException as exc:  # surfaced by wait_async
+            pending.error = exc
+        pending.phases["deliver"] = time.perf_counter() - t0
+
+    def wait_async(self, timeout: float | None = None) -> int:
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("no send_async() is pending")
+        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
+        try:
+            if pending.thread is not None:
+                pending.thread.join(deadline.remaining())
+                if pending.thread.is_alive():
+                    raise WeightSyncTimeoutError(
+                        f"version {pending.version} was not delivered within "
+                        f"{deadline.timeout}s", worker_ids=pending.targets,
+                    )
+            if pending.error is not None:
+                raise pending.error
+            t0 = time.perf_counter()
+            self._wait_acks(pending, deadline)
+            pending.phases["ack"] = time.perf_counter() - t0
+        finally:
+            self._pending = None
+        self._stats.add(SendRecord(pending.version, tuple(pending.targets), pending.nbytes,
+                                   pending.phases))
+        if pending.lost:
+            ids = sorted(pending.lost)
+            self._reported.update(ids)
+            raise lost_error(ids, pending.version, pending.lost)
+        return pending.version
+
+    def _wait_acks(self, pending: _PendingSend, deadline: Deadline) -> None:
+        with self._cond:
+            while True:
+                slow = []
+                for w in pending.targets:
+                    if w in pending.lost:
+                        continue
+                    state = self._table.workers[w]
+                    if state.lost or (w not in self._channels and state.version < pending.version):
+                        pending.lost[w] = self._why.get(w, "connection lost")
+                    elif state.version < pending.version:
+                        slow.append(w)
+                if not slow:
+                    return
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker(s) {slow} did not confirm version {pending.version} within "
+                        f"{deadline.timeout}s (they are alive but not answering)",
+                        worker_ids=slow,
+                    )
+                self._cond.wait(deadline.slice(_HUB_TICK))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this sender is closed")
+
+    def _channel(self, idx: int) -> Channel | None:
+        with self._cond:
+            return self._channels.get(idx)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop = True
+        self._wake_hub()
+        if self._hub.is_alive() and self._hub is not threading.current_thread():
+            self._hub.join(5.0)
+        pending = self._pending
+        if pending is not None and pending.thread is not None:
+            pending.thread.join(5.0)
+        with self._cond:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                channel.send({"t": "close"}, timeout=0.5)
+            channel.close()
+        self._listener.close()
+        self._close_transport()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class LocalReceiver(WeightReceiver):
+    """Receiver of a same-host scheme; subclasses say how a version is applied."""
+
+    def __init__(self, scheme: LocalScheme, worker_idx: int) -> None:
+        super().__init__(scheme, worker_idx)
+        if worker_idx >= scheme.num_workers:
+            raise ValueError(
+                f"worker_idx {worker_idx} is out of range: the scheme has "
+                f"num_workers={scheme.num_workers}"
+            )
+        self.scheme: LocalScheme = scheme
+        self._channel: Channel | None = None
+        self._cond = threading.Condition()
+        self._delivered = NO_VERSION
+        self._sender_lost: str | None = None
+        self._reader: threading.Thread | None = None
+        self._stop = False
+
+    # ================================================================== transport hooks
+    @abc.abstractmethod
+    def _handle(self, message: Message, channel: Channel) -> bool:
+        """Take a transport message in the reader thread; True if it was one."""
+
+    @abc.abstractmethod
+    def _sender_layout(self, deadline: Deadline) -> Layout:
+        """Block until the sender's layout has arrived; return it."""
+
+    @abc.abstractmethod
+    def _apply_newest(self, dest: dict[str, torch.Tensor], deadline: Deadline) -> int | None:
+        """Copy the newest delivered version into ``dest`` if newer than ours."""
+
+    def _close_transport(self) -> None:
+        """Release the transport's resources."""
+
+    # ================================================================== reader thread
+    def _run_reader(self) -> None:
+        channel = self._channel
+        assert channel is not None
+        while not self._stop:
+            try:
+                if not channel.readable(_HUB_TICK):
+                    continue
+                if self._stop:
+                    return
+                message = channel.recv_header(timeout=self.scheme.timeout)
+                kind = message.header.get("t")
+                if kind == "version":
+                    self._mark_delivered(int(message.header["v"]), channel)
+                elif kind == "close":
+                    self._set_sender_lost("the sender closed")
+                    return
+                elif not self._handle(message, channel):
+                    logger.debug("worker %d ignored message %r", self.worker_idx, kind)
+            except (ChannelClosed, ChannelTimeout, OSError) as exc:
+                if not self._stop:
+                    self._set_sender_lost(f"connection to the sender lost: {exc}")
+                return
+
+    def _mark_delivered(self, version: int, channel: Channel) -> None:
+        with self._cond:
+            self._delivered = max(self._delivered, version)
+            self._cond.notify_all()
+        channel.send({"t": "ack", "v": version}, timeout=self.scheme.timeout)
+
+    def _set_sender_lost(self, why: str) -> None:
+        with self._cond:
+            self._sender_lost = why
+            self._cond.notify_all()
+
+    # ================================================================== API
+    def connect(self, timeout: float | None = None) -> int:
+        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
+        dest = self._destination()
+        if self._channel is not None:
+            raise RuntimeError(f"worker {self.worker_idx} is already connected")
+        local_layout = Layout.from_weights(dest)
+        try:
+            channel = connect_channel(self.scheme.address, deadline.remaining())
+            channel.send({
+                "t": "hello", "token": self.scheme.token, "worker_idx": self.worker_idx,
+                "pid": os.getpid(), "layout": local_layout.to_dict(),
+            }, timeout=deadline.slice(10.0))
+            reply = channel.recv(timeout=deadline.remaining()).header
+        except ChannelTimeout as exc:
+            raise WeightSyncTimeoutError(f"worker {self.worker_idx}: {exc}") from exc
+        except ChannelClosed as exc:
+            raise SenderLostError(f"worker {self.worker_idx}: sender hung up: {exc}") from exc
+        if reply.get("t") != "welcome":
+            channel.close()
+            error = f"worker {self.worker_idx}: the sender refused the connection: {reply.get('error')}"
+            if reply.get("kind") == "schema":
+                raise SchemaMismatchError(error, key=reply.get("key"))
+            raise WeightSyncError(error)
+        self._channel = channel
+        self._reader = threading.Thread(
+            target=self._run_reader, name=f"weightsync-reader-{self.worker_idx}", daemon=True
+        )
+        self._reader.start()
+        try:
+            sender_layout = self._sender_layout(deadline)
+            sender_layout.check_compatible(local_layout, other_name=f"worker {self.worker_idx}")
+        except SchemaMismatchError as exc:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout):
+                channel.send({"t": "mismatch", "error": str(exc)}, timeout=1.0)
+            self.close()
+            raise
+        while True:
+            applied = self._apply_newest(dest, deadline)
+            if applied is not None:
+                self._version = applied
+                break
+            self._wait_for_delivery(deadline, "connect")
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"worker {self.worker_idx}: no weights arrived within {deadline.timeout}s"
+                )
+        channel.send({"t": "ack", "v": self._version}, timeout=deadline.slice(10.0))
+        return self._version
+
+    def _check_sender(self) -> None:
+        if self._channel is None:
+            raise RuntimeError(f"worker {self.worker_idx}: call connect() first")
+        if self._sender_lost is not None:
+            raise SenderLostError(
+                f"worker {self.worker_idx} (at version {self._version}): {self._sender_lost}"
+            )
+
+    def _wait_for_delivery(self, deadline: Deadline, what: str) -> None:
+        with self._cond:
+            if self._sender_lost is not None:
+                raise SenderLostError(
+                    f"worker {self.worker_idx} ({what}, at version {self._version}): "
+                    f"{self._sender_lost}"
+                )
+            if self._delivered <= self._version:
+                self._cond.wait(deadline.slice(0.05))
+
+    def poll(self) -> int | None:
+        self._check_sender()
+        applied = self._apply_newest(self._destination(), Deadline(self.scheme.timeout))
+        if applied is not None:
+            self._version = applied
+        return applied
+
+    def receive(self, timeout: float | None = 5.0) -> int | None:
+        deadline = Deadline(timeout)
+        dest = self._destination()
+        while True:
+            self._check_sender()
+            applied = self._apply_newest(dest, Deadline(self.scheme.timeout))
+            if applied is not None:
+                self._version = applied
+                return applied
+            if deadline.expired():
+                return None
+            self._wait_for_delivery(deadline, "receive")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop = True
+        if self._channel is not None:
+            self._channel.close()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        self._close_transport()
+
+
+def model_flat(model: Any) -> dict[str, torch.Tensor]:
+    return flat_tensors(model, what="model")

@@ -1,0 +1,102 @@
+"""SharedMemWeightSyncScheme: workers on this host read versions out of shared memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncTimeoutError
+from weightsync.core.layout import Layout
+from weightsync.core.strategy import WeightStrategy
+from weightsync.schemes.local import LocalReceiver, LocalScheme, LocalSender
+from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
+
+
+class SharedMemWeightSyncScheme(LocalScheme):
+    """Sync through shared memory: one packed write per send, whatever the worker count.
+
+    ``max_slots`` caps the copies kept in shared memory (default ``num_workers + 2``, enough
+    that a send never waits for a worker that is behind; two are used in steady state).
+    """
+
+    def __init__(
+        self, num_workers: int = 1, *, timeout: float = 60.0,
+        strategy: WeightStrategy | None = None, max_slots: int | None = None,
+    ) -> None:
+        super().__init__(num_workers, timeout=timeout, strategy=strategy)
+        self.max_slots = max_slots
+
+    def create_sender(self) -> SharedMemWeightSender:
+        return SharedMemWeightSender(self)
+
+    def create_receiver(self, worker_idx: int = 0) -> SharedMemWeightReceiver:
+        return SharedMemWeightReceiver(self, worker_idx)
+
+
+class SharedMemWeightSender(LocalSender):
+    def __init__(self, scheme: SharedMemWeightSyncScheme) -> None:
+        self.transport = SharedMemTransport(
+            auto_register=True, max_slots=scheme.max_slots or scheme.num_workers + 2
+        )
+        super().__init__(scheme)
+
+    def _publish(
+        self, flat: Mapping[str, torch.Tensor], targets: list[int], version: int,
+        deadline: Deadline,
+    ) -> None:
+        self.transport.send_weights(
+            DEFAULT_MODEL_ID, flat, worker_ids=targets, version=version,
+            timeout=deadline.remaining(),
+        )
+
+    def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
+        lost = {}
+        for w in targets:
+            channel = self._channel(w)
+            if channel is None:
+                lost[w] = self._why.get(w, "connection lost")
+                continue
+            try:
+                channel.send({"t": "version", "v": version}, timeout=deadline.slice(5.0))
+            except (ChannelClosed, ChannelTimeout) as exc:
+                lost[w] = f"could not be notified: {exc}"
+        return lost
+
+    def _on_join(self, worker_idx: int, channel: Channel) -> None:
+        self.transport.attach_worker(worker_idx, channel)
+
+    def _on_lost(self, worker_idx: int) -> None:
+        self.transport.detach_worker(worker_idx)
+
+    def _close_transport(self) -> None:
+        self.transport.close()
+
+
+class SharedMemWeightReceiver(LocalReceiver):
+    def __init__(self, scheme: SharedMemWeightSyncScheme, worker_idx: int) -> None:
+        super().__init__(scheme, worker_idx)
+        self.transport = SharedMemTransport()
+
+    def _handle(self, message: Message, channel: Channel) -> bool:
+        return self.transport.handle_message(message)
+
+    def _sender_layout(self, deadline: Deadline) -> Layout:
+        while True:
+            try:
+                return self.transport.wait_for_model(DEFAULT_MODEL_ID, Deadline(deadline.slice(0.1)))
+            except WeightSyncTimeoutError:
+                self._wait_for_delivery(Deadline(0), "connect")
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker {self.worker_idx}: the sender sent no weights within "
+                        f"{deadline.timeout}s"
+                    ) from None
+
+    def _apply_newest(self, dest: dict[str, torch.Tensor], deadline: Deadline) -> int | None:
+        return self.transport.apply_latest(self.worker_idx, dest, self._version, deadline)
+
+    def _close_transport(self) -> None:
+        self.transport.close()

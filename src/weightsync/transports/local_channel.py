@@ -1,0 +1,302 @@
+"""A framed message channel between processes of one host, over a Unix stream socket.
+
+Each message is a JSON header, an optional raw payload (tensor bytes, never pickled) and
+optional file descriptors (shared-memory segments). Every wait has a deadline, and one
+thread may send while another receives. Listeners bind in Linux's abstract socket
+namespace, so nothing is left on disk when a process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.core.deadline import Deadline
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = struct.Struct("!IQ")  # header length, payload length
+_MAX_HEADER = 64 * 1024 * 1024
+_MAX_FDS = 64
+_SOCKET_BUFFER = 4 * 1024 * 1024
+
+
+class ChannelClosed(ConnectionError):
+    """The peer closed the connection or its process died."""
+
+
+class ChannelTimeout(TimeoutError):
+    """A send or receive on a channel ran past its deadline."""
+
+
+@dataclass
+class Message:
+    """One received message: its JSON header, raw payload (if read) and passed fds."""
+
+    header: dict[str, Any]
+    payload_nbytes: int = 0
+    payload: bytearray | None = None
+    fds: list[int] = field(default_factory=list)
+
+
+def _wait(sock: socket.socket, events: int, deadline: Deadline, what: str) -> None:
+    poller = select.poll()
+    poller.register(sock.fileno(), events)
+    while True:
+        left = deadline.remaining()
+        ready = poller.poll(None if left is None else max(0, int(left * 1000)))
+        if ready:
+            return
+        if deadline.expired():
+            raise ChannelTimeout(f"{what} timed out after {deadline.timeout}s")
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+
+
+class Channel:
+    """A connected, framed, deadline-aware message channel (one sender thread at a time)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        _tune(sock)
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_pipe(cls, pipe: Any) -> Channel:
+        """Wrap a ``Channel``, a Unix ``socket.socket`` or a duplex ``multiprocessing.Pipe``
+        end. A pipe's fd is duplicated: both ends must be wrapped, since framing differs."""
+        if isinstance(pipe, Channel):
+            return pipe
+        if isinstance(pipe, socket.socket):
+            return cls(pipe)
+        fileno = getattr(pipe, "fileno", None)
+        if fileno is None:
+            raise TypeError(
+                f"register_pipe: got {type(pipe).__name__}; expected a Channel, a Unix socket or a "
+                "duplex multiprocessing.Pipe() end"
+            )
+        sock = socket.socket(fileno=os.dup(fileno()))
+        if sock.family != socket.AF_UNIX:
+            sock.close()
+            raise TypeError("register_pipe: the pipe must be a Unix socket (mp.Pipe(duplex=True))")
+        return cls(sock)
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, Channel]:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        return cls(a), cls(b)
+
+    # ------------------------------------------------------------------ state
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def peer_closed(self) -> bool:
+        """True if the peer hung up (EOF pending and nothing else to read first)."""
+        if self._closed:
+            return True
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return data == b""
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+
+    # ------------------------------------------------------------------ sending
+    def send(
+        self,
+        header: dict[str, Any],
+        payload: bytes | bytearray | memoryview | None = None,
+        fds: Sequence[int] = (),
+        timeout: float | None = None,
+    ) -> None:
+        """Send one message; raises ChannelClosed or ChannelTimeout (the channel is then
+        unusable: a partly written message cannot be taken back)."""
+        body = json.dumps(header, separators=(",", ":")).encode()
+        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        first = _PREFIX.pack(len(body), len(view)) + body
+        deadline = Deadline(timeout)
+        with self._send_lock:
+            if self._closed:
+                raise ChannelClosed("channel is closed")
+            try:
+                sent = self._send_first(first, list(fds), deadline)
+                self._send_all(memoryview(first)[sent:], deadline)
+                self._send_all(view, deadline)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise ChannelClosed(f"peer closed the connection: {exc}") from exc
+
+    def _send_first(self, data: bytes, fds: list[int], deadline: Deadline) -> int:
+        while True:
+            try:
+                if fds:
+                    return socket.send_fds(self._sock, [data], fds)
+                return self._sock.send(data)
+            except BlockingIOError:
+                _wait(self._sock, select.POLLOUT, deadline, "send")
+
+    def _send_all(self, view: memoryview, deadline: Deadline) -> None:
+        while len(view):
+            try:
+                n = self._sock.send(view)
+            except BlockingIOError:
+                _wait(self._sock, select.POLLOUT, deadline, "send")
+                continue
+            view = view[n:]
+
+    # ------------------------------------------------------------------ receiving
+    def _recv_into(self, view: memoryview, deadline: Deadline, fds: list[int] | None) -> None:
+        while len(view):
+            try:
+                if fds is not None and not fds:
+                    data, got_fds, _flags, _addr = socket.recv_fds(self._sock, len(view), _MAX_FDS)
+                    fds.extend(got_fds)
+                    n = len(data)
+                    view[:n] = data
+                else:
+                    n = self._sock.recv_into(view)
+            except BlockingIOError:
+                _wait(self._sock, select.POLLIN, deadline, "receive")
+                continue
+            except OSError as exc:
+                raise ChannelClosed(f"connection lost: {exc}") from exc
+            if n == 0:
+                raise ChannelClosed("peer closed the connection")
+            view = view[n:]
+
+    def recv_header(self, timeout: float | None = None) -> Message:
+        """Receive the next message's header and fds; its payload (``payload_nbytes``) must
+        then be read with :meth:`recv_payload_into` or :meth:`recv_payload`."""
+        deadline = Deadline(timeout)
+        prefix = bytearray(_PREFIX.size)
+        fds: list[int] = []
+        self._recv_into(memoryview(prefix), deadline, fds)
+        header_len, payload_len = _PREFIX.unpack(prefix)
+        if header_len > _MAX_HEADER:
+            raise ChannelClosed(f"malformed frame: header of {header_len} bytes")
+        body = bytearray(header_len)
+        self._recv_into(memoryview(body), deadline, None)
+        try:
+            header = json.loads(body)
+        except ValueError as exc:
+            raise ChannelClosed(f"malformed frame header: {exc}") from exc
+        return Message(header=header, payload_nbytes=payload_len, fds=fds)
+
+    def recv_payload_into(self, view: memoryview, timeout: float | None = None) -> None:
+        self._recv_into(view.cast("B") if view.format != "B" else view, Deadline(timeout), None)
+
+    def recv_payload(self, message: Message, timeout: float | None = None) -> bytearray:
+        data = bytearray(message.payload_nbytes)
+        self._recv_into(memoryview(data), Deadline(timeout), None)
+        message.payload = data
+        return data
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """Receive one whole message, payload included."""
+        deadline = Deadline(timeout)
+        message = self.recv_header(deadline.remaining())
+        if message.payload_nbytes:
+            self.recv_payload(message, deadline.remaining())
+        return message
+
+    def readable(self, timeout: float = 0.0) -> bool:
+        """True if a message (or EOF) is waiting to be read."""
+        if self._closed:
+            return True
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        return bool(poller.poll(int(timeout * 1000)))
+
+
+def new_address() -> str:
+    """A fresh address: in the abstract namespace on Linux (nothing on disk), else a temp path."""
+    name = f"weightsync-{os.getpid()}-{uuid.uuid4().hex}"
+    if sys.platform.startswith("linux"):
+        return "\0" + name
+    return os.path.join(tempfile.gettempdir(), name + ".sock")
+
+
+class ChannelListener:
+    """Accepts channels at ``address`` (see :func:`new_address`)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(address)
+        self._sock.listen(64)
+        self._sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def accept(self, timeout: float | None = 0.0) -> Channel | None:
+        deadline = Deadline(timeout)
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+                return Channel(conn)
+            except BlockingIOError:
+                if deadline.expired():
+                    return None
+                try:
+                    _wait(self._sock, select.POLLIN, deadline, "accept")
+                except ChannelTimeout:
+                    return None
+
+    def close(self) -> None:
+        self._sock.close()
+        if not self.address.startswith("\0"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.address)
+
+
+def connect_channel(address: str, timeout: float | None) -> Channel:
+    """Connect to a listener, retrying while it is not up yet, until ``timeout``."""
+    deadline = Deadline(timeout)
+    delay = 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+            return Channel(sock)
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN):
+                raise
+            if deadline.expired():
+                raise ChannelTimeout(
+                    f"no sender listening at {address!r} after {deadline.timeout}s"
+                ) from exc
+            time.sleep(deadline.slice(delay))
+            delay = min(delay * 2, 0.1)

@@ -1,0 +1,544 @@
+"""SharedMemTransport (seed 000): weights in shared memory, copied in and out tear-free.
+
+The sender keeps a small pool of slots, each a full packed copy of the weights in a
+shared segment (a CUDA buffer shared by CUDA IPC for GPU tensors). A send packs the
+weights into a slot no worker uses, then points the chosen workers at it through a shared
+control block. A worker applies a version by copying its slot into its own model under a
+shared ``fcntl`` lock on that slot, which the sender's exclusive lock respects and which the
+kernel drops if the worker dies. Segments and slot handles travel lazily over the workers'
+pipes on the first send, so workers may start before any weights exist.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import SenderLostError, WeightSyncTimeoutError
+from weightsync.core.layout import Layout
+from weightsync.core.strategy import WeightStrategy, flat_tensors
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local_channel import Channel, ChannelClosed, Message
+from weightsync.transports.shared_memory import Segment
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x5753594E43  # "WSYNC"
+_SLOT_SPACE = 1024  # a target packs (version, slot) as version * _SLOT_SPACE + slot
+_MAX_WORKERS = 1024
+_HEADER_WORDS = 8
+_IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED = 0, 1, 2
+_LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
+_CONTROL_NBYTES = (_HEADER_WORDS + _MAX_WORKERS) * 8
+DEFAULT_MODEL_ID = "policy"
+
+
+def _pack_target(version: int, slot: int) -> int:
+    return version * _SLOT_SPACE + slot
+
+
+def _unpack_target(packed: int) -> tuple[int, int]:
+    return divmod(packed, _SLOT_SPACE)
+
+
+def _lock(fd: int, slot: int, exclusive: bool) -> bool:
+    """Try to take the slot's lock without blocking; True on success."""
+    kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    try:
+        fcntl.lockf(fd, kind | fcntl.LOCK_NB, 1, _LOCK_BASE + slot, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _unlock(fd: int, slot: int) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_UN, 1, _LOCK_BASE + slot, 0)
+
+
+def _share_cuda(buffer: torch.Tensor) -> str:
+    """CUDA IPC handle of a buffer, for a process of this host (never crosses machines)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(buffer)
+    return base64.b64encode(pickle.dumps(args)).decode()
+
+
+def _open_cuda(handle: str) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
+
+
+@dataclass
+class _Slot:
+    """One full copy of the weights: a buffer per device of the layout."""
+
+    index: int
+    buffers: dict[str, torch.Tensor]
+    segments: dict[str, Segment] = field(default_factory=dict)  # CPU buffers only
+
+    def close(self) -> None:
+        self.buffers.clear()
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+
+
+class _SenderModel:
+    """The sender's shared state for one model id: control block and slot pool."""
+
+    def __init__(self, layout: Layout, max_slots: int) -> None:
+        self.layout = layout
+        self.max_slots = max_slots
+        self.control = Segment.create(_CONTROL_NBYTES)
+        self.ctrl = self.control.view_int64()
+        self.ctrl[_IDX_MAGIC] = _MAGIC
+        self.ctrl[_IDX_LATEST] = -1
+        for w in range(_MAX_WORKERS):
+            self.ctrl[_HEADER_WORDS + w] = -1
+        self.slots: list[_Slot] = []
+        self.version = NO_VERSION
+
+    def new_slot(self) -> _Slot:
+        slot = _Slot(len(self.slots), {})
+        for device, nbytes in self.layout.nbytes_by_device.items():
+            if device == "cpu":
+                seg = Segment.create(nbytes)
+                slot.segments[device] = seg
+                assert seg.tensor is not None
+                slot.buffers[device] = seg.tensor
+            else:
+                slot.buffers[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.slots.append(slot)
+        return slot
+
+    def slot_message(self, slot: _Slot, model_id: str) -> tuple[dict[str, Any], list[int]]:
+        devices = {d: (None if d == "cpu" else _share_cuda(b)) for d, b in slot.buffers.items()}
+        fds = [slot.segments["cpu"].fd] if "cpu" in slot.segments else []
+        return {"t": "shm.slot", "model_id": model_id, "index": slot.index, "devices": devices}, fds
+
+    def target(self, worker_idx: int) -> int:
+        return self.ctrl[_HEADER_WORDS + worker_idx]
+
+    def set_target(self, worker_idx: int, packed: int) -> None:
+        self.ctrl[_HEADER_WORDS + worker_idx] = packed
+
+    def close(self) -> None:
+        self.ctrl[_IDX_CLOSED] = 1
+        self.ctrl.release()
+        for slot in self.slots:
+            slot.close()
+        self.control.close()
+
+
+class _ReceiverModel:
+    """A worker's mapping of one model id's control block and slots."""
+
+    def __init__(self, layout: Layout, control_fd: int) -> None:
+        self.layout = layout
+        self.control = Segment.attach(control_fd, _CONTROL_NBYTES, writable=True)
+        self.ctrl = self.control.view_int64()
+        self.slots: dict[int, _Slot] = {}
+        self.dest_cache: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def add_slot(self, message: Message) -> None:
+        header = message.header
+        slot = _Slot(int(header["index"]), {})
+        fds = list(message.fds)
+        for device, handle in header["devices"].items():
+            if device == "cpu":
+                seg = Segment.attach(fds.pop(0), self.layout.nbytes_by_device["cpu"])
+                slot.segments["cpu"] = seg
+                assert seg.tensor is not None
+                slot.buffers["cpu"] = seg.tensor
+            else:
+                slot.buffers[device] = _open_cuda(handle)
+        self.slots[slot.index] = slot
+
+    def close(self) -> None:
+        self.ctrl.release()
+        for slot in self.slots.values():
+            slot.close()
+        self.control.close()
+
+
+class SharedMemTransport:
+    """Shared-memory weight transport for processes on one host (seed 000).
+
+    Sender side: ``register_pipe`` each worker's pipe, then ``send_weights(model_id, w)``;
+    the first send of a model creates its shared slots and passes them to the workers.
+    Receiver side: ``register_pipe`` the other end, then
+    ``setup_connection_and_weights_on_receiver`` and ``receive_weights``.
+
+    Unlike the seed's in-place update, workers do not see writes as they happen: a worker
+    takes a new version only when it calls ``receive_weights`` (tear-free, API.md promise 2).
+    """
+
+    def __init__(
+        self,
+        policy_weights: dict[str, Any] | None = None,
+        auto_register: bool = True,
+        *,
+        max_slots: int | None = None,
+    ) -> None:
+        self.auto_register = auto_register
+        self._max_slots = max_slots
+        self._lock = threading.RLock()
+        self._channels: dict[int, Channel] = {}
+        self._models: dict[str, _SenderModel] = {}
+        self._pending: dict[str, Any] = {}  # registered before any pipe: announced later
+        # receiver side
+        self._worker_idx: int | None = None
+        self._receiver_models: dict[str, _ReceiverModel] = {}
+        self._receiver_versions: dict[str, int] = {}
+        self._sender_gone = False
+        self._slot_arrived = threading.Condition(self._lock)
+        for model_id, weights in (policy_weights or {}).items():
+            self.register_weights(model_id, weights)
+
+    # ================================================================== sender side
+    def register_pipe(self, pipe: Any) -> None:
+        """Add a worker's pipe (sender side) or the pipe to the sender (receiver side)."""
+        with self._lock:
+            self.attach_worker(len(self._channels), Channel.from_pipe(pipe))
+
+    def attach_worker(self, worker_idx: int, channel: Channel, *, at_latest: bool = True) -> None:
+        """Give worker ``worker_idx`` every shared segment, and (``at_latest``) point it at
+        the newest version of each model. Used for first connections and restarts alike."""
+        if not 0 <= worker_idx < _MAX_WORKERS:
+            raise ValueError(f"worker_idx must be in [0, {_MAX_WORKERS}), got {worker_idx}")
+        with self._lock:
+            self._channels[worker_idx] = channel
+            for model_id, model in self._models.items():
+                self._announce(model_id, model, channel)
+                if at_latest:
+                    model.set_target(worker_idx, model.ctrl[_IDX_LATEST])
+
+    def detach_worker(self, worker_idx: int) -> None:
+        """Forget a worker (it died or left): its slot stops counting as in use."""
+        with self._lock:
+            self._channels.pop(worker_idx, None)
+            for model in self._models.values():
+                model.set_target(worker_idx, -1)
+
+    def _announce(self, model_id: str, model: _SenderModel, channel: Channel) -> None:
+        header = {
+            "t": "shm.model", "model_id": model_id, "layout": model.layout.to_dict(),
+        }
+        channel.send(header, fds=[model.control.fd], timeout=10.0)
+        for slot in model.slots:
+            slot_header, fds = model.slot_message(slot, model_id)
+            channel.send(slot_header, fds=fds, timeout=10.0)
+
+    def register_weights(self, model_id: str, weights: Any) -> None:
+        """Create the shared slots for ``model_id`` from ``weights`` and publish them as its
+        first version; workers already registered get the segments now, later ones on
+        attach."""
+        flat = self._flatten(weights)
+        with self._lock:
+            if model_id in self._models:
+                raise ValueError(f"model {model_id!r} is already registered")
+            num_workers = max(len(self._channels), 1)
+            max_slots = self._max_slots or num_workers + 2
+            model = _SenderModel(Layout.from_weights(flat), max(2, max_slots))
+            model.new_slot()
+            model.new_slot()
+            self._models[model_id] = model
+            for channel in self._channels.values():
+                self._announce(model_id, model, channel)
+            self._write(model_id, model, flat, list(self._channels), model.version + 1, None)
+
+    @staticmethod
+    def _flatten(weights: Any) -> dict[str, torch.Tensor]:
+        try:
+            return flat_tensors(weights, what="SharedMemTransport weights")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
+        model = self._models.get(model_id)
+        return None if model is None else model.layout
+
+    def send_weights(
+        self,
+        model_id: str,
+        weights: Any,
+        *,
+        worker_ids: Iterable[int] | None = None,
+        version: int | None = None,
+        timeout: float | None = 10.0,
+    ) -> int:
+        """Publish ``weights`` as the next version of ``model_id`` to ``worker_ids`` (all
+        attached workers by default) and return that version. The weights are copied now:
+        later writes to them reach nobody until the next send."""
+        with self._lock:
+            if model_id not in self._models:
+                if not self.auto_register:
+                    raise KeyError(
+                        f"model {model_id!r} is not registered and auto_register=False; call "
+                        "register_weights first"
+                    )
+                self.register_weights(model_id, weights)
+                return self._models[model_id].version
+            model = self._models[model_id]
+            flat = self._flatten(weights)
+            model.layout.check_weights(flat, given_by=f"the weights sent for {model_id!r}")
+            ids = list(self._channels) if worker_ids is None else list(worker_ids)
+            new_version = model.version + 1 if version is None else version
+            self._write(model_id, model, flat, ids, new_version, timeout)
+            return new_version
+
+    def _write(
+        self, model_id: str, model: _SenderModel, flat: Mapping[str, torch.Tensor],
+        worker_ids: list[int], version: int, timeout: float | None,
+    ) -> None:
+        slot = self._acquire_free_slot(model_id, model, Deadline(timeout))
+        try:
+            model.layout.pack(flat, slot.buffers)
+            for device in slot.buffers:
+                if device != "cpu":
+                    torch.cuda.synchronize(device)
+        finally:
+            _unlock(model.control.fd, slot.index)
+        packed = _pack_target(version, slot.index)
+        model.ctrl[_IDX_LATEST] = packed
+        for w in worker_ids:
+            model.set_target(w, packed)
+        model.version = version
+
+    def _acquire_free_slot(self, model_id: str, model: _SenderModel, deadline: Deadline) -> _Slot:
+        """A slot that is neither the newest nor any worker's target nor being read,
+        exclusively locked; grows the pool (up to ``max_slots``) before waiting."""
+        while True:
+            busy = {_unpack_target(model.ctrl[_IDX_LATEST])[1]} if model.ctrl[_IDX_LATEST] >= 0 else set()
+            for w in self._channels:
+                if model.target(w) >= 0:
+                    busy.add(_unpack_target(model.target(w))[1])
+            for slot in model.slots:
+                if slot.index not in busy and _lock(model.control.fd, slot.index, exclusive=True):
+                    return slot
+            if len(model.slots) < model.max_slots:
+                slot = model.new_slot()
+                header, fds = model.slot_message(slot, model_id)
+                for w, channel in list(self._channels.items()):
+                    try:
+                        channel.send(header, fds=fds, timeout=deadline.slice(10.0))
+                    except (ChannelClosed, TimeoutError):
+                        logger.warning("worker %d did not take a new slot; detaching it", w)
+                        self.detach_worker(w)
+                if _lock(model.control.fd, slot.index, exclusive=True):
+                    return slot
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"no free shared-memory slot for model {model_id!r} within "
+                    f"{deadline.timeout}s: workers are still reading every slot"
+                )
+            time.sleep(0.0002)
+
+    def check_ack(self, message: str = "updated") -> None:
+        """No-op (seed 000): the scheme confirms delivery with its own acks."""
+
+    def send_ack(self, message: str = "updated") -> None:
+        """No-op (seed 000)."""
+
+    def setup_connection_and_weights_on_sender(self) -> None:
+        """Nothing to do: segments are passed lazily on the first send (seed 000)."""
+
+    # ================================================================== receiver side
+    def handle_message(self, message: Message) -> bool:
+        """Take a segment message from the sender; False if it is not one of ours."""
+        kind = message.header.get("t")
+        with self._lock:
+            if kind == "shm.model":
+                model_id = message.header["model_id"]
+                old = self._receiver_models.pop(model_id, None)
+                if old is not None:
+                    old.close()
+                layout = Layout.from_dict(message.header["layout"])
+                self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0])
+            elif kind == "shm.slot":
+                self._receiver_models[message.header["model_id"]].add_slot(message)
+            else:
+                return False
+            self._slot_arrived.notify_all()
+            return True
+
+    def mark_sender_lost(self) -> None:
+        with self._lock:
+            self._sender_gone = True
+            self._slot_arrived.notify_all()
+
+    def receiver_layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
+        model = self._receiver_models.get(model_id)
+        return None if model is None else model.layout
+
+    def wait_for_model(self, model_id: str, deadline: Deadline, pump: Any = None) -> Layout:
+        """Block until the sender has announced ``model_id``; ``pump`` reads the channel
+        when no background thread does."""
+        with self._lock:
+            while model_id not in self._receiver_models:
+                if self._sender_gone:
+                    raise SenderLostError("the sender closed before sending any weights")
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker {self._worker_idx}: no weights for model {model_id!r} within "
+                        f"{deadline.timeout}s"
+                    )
+                if pump is not None:
+                    self._lock.release()
+                    try:
+                        pump(deadline.slice(0.05))
+                    finally:
+                        self._lock.acquire()
+                else:
+                    self._slot_arrived.wait(deadline.slice(0.05))
+            return self._receiver_models[model_id].layout
+
+    def published_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
+        """The newest version the sender has pointed this worker at (-1: none yet)."""
+        model = self._receiver_models.get(model_id)
+        if model is None:
+            return NO_VERSION
+        packed = model.ctrl[_HEADER_WORDS + worker_idx]
+        return NO_VERSION if packed < 0 else _unpack_target(packed)[0]
+
+    def sender_closed(self, model_id: str = DEFAULT_MODEL_ID) -> bool:
+        model = self._receiver_models.get(model_id)
+        return self._sender_gone or (model is not None and model.ctrl[_IDX_CLOSED] == 1)
+
+    def apply_latest(
+        self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
+        deadline: Deadline, model_id: str = DEFAULT_MODEL_ID, pump: Any = None,
+    ) -> int | None:
+        """Copy the newest version published for ``worker_idx`` into ``dest`` if it is newer
+        than ``held_version``; returns it, or None if there is nothing newer."""
+        model = self._receiver_models[model_id]
+        while True:
+            packed = model.ctrl[_HEADER_WORDS + worker_idx]
+            if packed < 0:
+                return None
+            version, index = _unpack_target(packed)
+            if version == held_version:
+                return None
+            slot = model.slots.get(index)
+            if slot is None:  # its handle is still on the way
+                with self._lock:
+                    if pump is not None:
+                        self._lock.release()
+                        try:
+                            pump(deadline.slice(0.05))
+                        finally:
+                            self._lock.acquire()
+                    else:
+                        self._slot_arrived.wait(deadline.slice(0.05))
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker {worker_idx}: slot {index} of version {version} never arrived"
+                    )
+                continue
+            if not _lock(model.control.fd, index, exclusive=False):
+                continue  # the sender is rewriting that slot: our target has moved on
+            try:
+                if model.ctrl[_HEADER_WORDS + worker_idx] != packed:
+                    continue
+                model.layout.unpack(slot.buffers, dest)
+                for device in slot.buffers:
+                    if device != "cpu":
+                        torch.cuda.synchronize(device)
+            finally:
+                _unlock(model.control.fd, index)
+            return version
+
+    def setup_connection_and_weights_on_receiver(
+        self,
+        *,
+        worker_idx: int,
+        weights: Any = None,
+        model: Any = None,
+        strategy: WeightStrategy | None = None,
+        timeout: float | None = 60.0,
+        model_id: str = DEFAULT_MODEL_ID,
+    ) -> Any:
+        """Wait for the sender's segments and first version, apply it to ``model`` (or
+        ``weights``), and return the weights as ``strategy`` extracts them."""
+        self._worker_idx = worker_idx
+        deadline = Deadline(timeout)
+        self.wait_for_model(model_id, deadline, pump=self._pump)
+        while self.published_version(worker_idx, model_id) < 0:
+            if deadline.expired():
+                raise WeightSyncTimeoutError(f"worker {worker_idx}: no version within {timeout}s")
+            self._pump(deadline.slice(0.01))
+        return self.receive_weights(
+            deadline.remaining(), weights=weights, model=model, strategy=strategy,
+            model_id=model_id,
+        )
+
+    def receive_weights(
+        self,
+        timeout: float | None = 1.0,
+        *,
+        weights: Any = None,
+        model: Any = None,
+        strategy: WeightStrategy | None = None,
+        model_id: str = DEFAULT_MODEL_ID,
+    ) -> Any | None:
+        """Apply the newest version to ``model`` (or ``weights``) if there is a newer one;
+        returns the applied weights, or None."""
+        target = model if model is not None else weights
+        if target is None:
+            raise ValueError("receive_weights needs a model or a weights buffer to write into")
+        if self._worker_idx is None:
+            raise RuntimeError("call setup_connection_and_weights_on_receiver first")
+        self._pump(0.0)
+        dest = flat_tensors(target, what="receive_weights destination")
+        held = self._receiver_versions.get(model_id, NO_VERSION)
+        applied = self.apply_latest(
+            self._worker_idx, dest, held, Deadline(timeout), model_id, pump=self._pump
+        )
+        if applied is None:
+            return None
+        self._receiver_versions[model_id] = applied
+        return (strategy or WeightStrategy()).extract_weights(target)
+
+    def _pump(self, timeout: float) -> None:
+        """Read pending segment messages from the sender (standalone receiver use)."""
+        channel = self._channels.get(0) if self._channels else None
+        if channel is None:
+            return
+        while channel.readable(timeout):
+            try:
+                message = channel.recv(timeout=5.0)
+            except ChannelClosed:
+                self.mark_sender_lost()
+                return
+            self.handle_message(message)
+            timeout = 0.0
+
+    # ================================================================== both
+    def close(self) -> None:
+        """Release every segment this transport holds (sender or receiver side)."""
+        with self._lock:
+            for model in self._models.values():
+                model.close()
+            self._models.clear()
+            for rmodel in self._receiver_models.values():
+                rmodel.close()
+            self._receiver_models.clear()
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
