@@ -89,6 +89,9 @@ class LocalSender(WeightSender):
         self.scheme: LocalScheme = scheme
         self._table = VersionTable(scheme.num_workers)
         self._cond = threading.Condition()
+        # held while a worker joins and while a version is published, so that a joining
+        # worker is either among the targets or finds the version already there
+        self._membership = threading.RLock()
         self._channels: dict[int, Channel] = {}
         self._why: dict[int, str] = {}
         self._reported: set[int] = set()
@@ -170,6 +173,10 @@ class LocalSender(WeightSender):
             channel.close()
             return
         idx = int(hello["worker_idx"])
+        with self._membership:
+            self._join(idx, channel, hello)
+
+    def _join(self, idx: int, channel: Channel, hello: dict[str, Any]) -> None:
         with self._cond:
             old = self._channels.pop(idx, None)
             if old is not None:
@@ -265,10 +272,11 @@ class LocalSender(WeightSender):
         self._check_open()
         if self._table.published == NO_VERSION:
             flat = self._weights_to_send(None)
-            with self._cond:
-                targets = sorted(self._channels)
-            self._publish(flat, targets, 0, deadline)
-            self._table.published = 0
+            with self._membership:
+                with self._cond:
+                    targets = sorted(self._channels)
+                self._publish(flat, targets, 0, deadline)
+                self._table.published = 0
             self._deliver(targets, 0, deadline)
         with self._cond:
             while True:
@@ -315,18 +323,19 @@ class LocalSender(WeightSender):
         requested = self._table.check_worker_ids(worker_ids)
         flat = self._weights_to_send(weights)
         version = self._table.published + 1
-        with self._cond:
-            targets = [w for w in requested if w in self._channels]
-            lost = {
-                w: self._why.get(w, "not connected")
-                for w in requested
-                if w not in self._channels and (worker_ids is not None or w not in self._reported)
-            }
         assert self._layout is not None
-        pending = _PendingSend(version, requested, targets, lost, self._layout.nbytes)
         t0 = time.perf_counter()
-        self._publish(flat, targets, version, deadline)
-        self._table.published = version
+        with self._membership:
+            with self._cond:
+                targets = [w for w in requested if w in self._channels]
+                lost = {
+                    w: self._why.get(w, "not connected")
+                    for w in requested
+                    if w not in self._channels and (worker_ids is not None or w not in self._reported)
+                }
+            pending = _PendingSend(version, requested, targets, lost, self._layout.nbytes)
+            self._publish(flat, targets, version, deadline)
+            self._table.published = version
         pending.phases["publish"] = time.perf_counter() - t0
         self._pending = pending
         if background:

@@ -1,0 +1,124 @@
+"""Worker-process bodies for the multi-process tests (importable by spawn/forkserver)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import torch
+
+import weightsync as ws
+
+
+def make_model(width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 4),
+    )
+
+
+def checksum(model: torch.nn.Module) -> float:
+    return float(sum(t.detach().double().sum() for t in model.state_dict().values()))
+
+
+def fill_all(model: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.fill_(value)
+
+
+def echo_worker(scheme: Any, idx: int, out: Any, stop: Any, width: int = 16) -> None:
+    """Connect, report (event, idx, version, checksum), then report every new version."""
+    model = make_model(width)
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    try:
+        version = receiver.connect(timeout=30)
+        out.put(("connected", idx, version, checksum(model)))
+        while not stop.is_set():
+            version = receiver.receive(timeout=0.1)
+            if version is not None:
+                out.put(("version", idx, version, checksum(model)))
+    except ws.WeightSyncError as exc:
+        out.put(("error", idx, type(exc).__name__, str(exc)))
+    finally:
+        receiver.close()
+
+
+def scribble_worker(scheme: Any, idx: int, out: Any, stop: Any) -> None:
+    """Connect, then overwrite the local weights; report what it holds after each step."""
+    model = make_model()
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    receiver.connect(timeout=30)
+    fill_all(model, 1234.0)
+    out.put(("scribbled", idx, receiver.version, checksum(model)))
+    stop.wait(30)
+    receiver.close()
+
+
+def hammer_worker(scheme: Any, idx: int, out: Any, stop: Any, width: int = 64) -> None:
+    """Poll in a tight loop; after every read check each tensor equals receiver.version."""
+    model = make_model(width)
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    receiver.connect(timeout=30)
+    tensors = list(model.state_dict().values())
+    reads = violations = applied = 0
+    first_bad = None
+    while not stop.is_set():
+        if receiver.poll() is not None:
+            applied += 1
+        expected = float(max(receiver.version, 0))
+        for t in tensors:
+            if not bool((t == expected).all()):
+                violations += 1
+                if first_bad is None:
+                    first_bad = (receiver.version, float(t.flatten()[0]))
+                break
+        reads += 1
+    out.put(("hammer", idx, reads, violations, applied, first_bad, receiver.version))
+    receiver.close()
+
+
+def mismatched_worker(scheme: Any, idx: int, out: Any, stop: Any) -> None:
+    """A worker whose model has another shape: connect must raise SchemaMismatchError."""
+    model = make_model(width=17)
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    try:
+        receiver.connect(timeout=30)
+        out.put(("connected", idx, receiver.version, 0.0))
+    except ws.SchemaMismatchError as exc:
+        out.put(("mismatch", idx, exc.key, str(exc)))
+    finally:
+        receiver.close()
+
+
+def trainer_process(scheme: Any, out: Any, sends: int) -> None:
+    """A trainer in its own process (to be killed by the test)."""
+    model = make_model()
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.connect(timeout=30)
+    for _ in range(sends):
+        fill_all(model, float(sender.version + 1))
+        sender.send(timeout=30)
+    out.put(("trainer-ready", sender.version))
+    time.sleep(300)
+
+
+def drain(out: Any, count: int, timeout: float = 30.0) -> list[tuple]:
+    """Take ``count`` items from a queue, failing the test (not hanging) past ``timeout``."""
+    items, deadline = [], time.monotonic() + timeout
+    while len(items) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out waiting for {count} messages, got {items}")
+        try:
+            items.append(out.get(timeout=left))
+        except queue.Empty:
+            continue
+    return items
