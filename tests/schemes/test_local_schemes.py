@@ -353,7 +353,7 @@ def test_fifty_cycles_leave_nothing_behind(scheme_cls, workers):
                 while not workers.out.empty():  # a child cannot exit with unflushed queue data
                     workers.out.get(timeout=1)
                 proc.join(0.05)
-            assert not proc.is_alive()
+            assert not proc.is_alive(), (cycle, proc.pid)
         while not workers.out.empty():
             workers.out.get(timeout=1)
         workers.stop.clear()

@@ -95,7 +95,14 @@ class Channel:
                 f"register_pipe: got {type(pipe).__name__}; expected a Channel, a Unix socket or a "
                 "duplex multiprocessing.Pipe() end"
             )
-        sock = socket.socket(fileno=os.dup(fileno()))
+        fd = os.dup(fileno())
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise TypeError(
+                "register_pipe: the pipe must be a Unix socket (mp.Pipe(duplex=True))"
+            ) from exc
         if sock.family != socket.AF_UNIX:
             sock.close()
             raise TypeError("register_pipe: the pipe must be a Unix socket (mp.Pipe(duplex=True))")

@@ -493,8 +493,9 @@ class SharedMemTransport:
         strategy: WeightStrategy | None = None,
         model_id: str = DEFAULT_MODEL_ID,
     ) -> Any | None:
-        """Apply the newest version to ``model`` (or ``weights``) if there is a newer one;
-        returns the applied weights, or None."""
+        """Apply the newest version to ``model`` (or ``weights``) if there is a newer one and
+        return the applied weights; otherwise return None at once (the seed's receive is a
+        no-op that never blocks). ``timeout`` bounds the wait for a slot still in transit."""
         target = model if model is not None else weights
         if target is None:
             raise ValueError("receive_weights needs a model or a weights buffer to write into")

@@ -1,0 +1,156 @@
+"""``weightsync bench``: time ``send()`` until every worker has the version delivered, beside
+one memcpy of the same bytes measured in the same run (the machine's floor)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SIZES = {"1MB": 1 << 20, "400MB": 400 * 1000 * 1000}
+
+
+@dataclass
+class BenchRow:
+    transport: str
+    size: str
+    nbytes: int
+    workers: int
+    median_ms: float
+    p90_ms: float
+    gbps: float
+    memcpy_ms: float
+    ratio: float  # median / one memcpy of the same bytes
+
+    @property
+    def ratio_per_worker(self) -> float:
+        return self.ratio / self.workers
+
+
+def make_weights(nbytes: int, fill: float = 0.0) -> dict[str, torch.Tensor]:
+    """fp32 tensors adding up to ``nbytes`` (in up to 50 pieces, like a model's layers)."""
+    numel = nbytes // 4
+    pieces = max(1, min(50, numel // (1 << 16)))
+    sizes = [numel // pieces] * pieces
+    sizes[-1] += numel - sum(sizes)
+    return {f"layer{i}.weight": torch.full((n,), fill) for i, n in enumerate(sizes)}
+
+
+def memcpy_floor(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of one copy of ``nbytes`` between two warm buffers."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _bench_worker(scheme: Any, idx: int, nbytes: int, stop: Any, ready: Any) -> None:
+    torch.set_num_threads(1)
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(make_weights(nbytes))
+    receiver.connect(timeout=120)
+    ready.put(idx)
+    while not stop.is_set():
+        try:
+            receiver.receive(timeout=0.2)
+        except Exception:  # the sender closed: the run is over
+            break
+    receiver.close()
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def bench_local(
+    transport: str, nbytes: int, workers: int, repeats: int, floor: float,
+) -> list[float]:
+    """Seconds of each ``send()`` to ``workers`` processes through ``transport``."""
+    from weightsync import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
+
+    scheme_cls = {"shm": SharedMemWeightSyncScheme, "mp": MultiProcessWeightSyncScheme}[transport]
+    scheme = scheme_cls(num_workers=workers, timeout=300)
+    ctx = mp.get_context("spawn")
+    stop, ready = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_bench_worker, args=(scheme, i, nbytes, stop, ready), daemon=True)
+        for i in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    weights = make_weights(nbytes, fill=1.0)
+    times = []
+    try:
+        with scheme.create_sender() as sender:
+            sender.register_model(weights)
+            sender.connect(timeout=300)
+            for _ in range(workers):
+                ready.get(timeout=300)
+            for i in range(repeats + 1):
+                # let every worker finish applying the previous version (they share 2 cores)
+                time.sleep(0.02 + 3 * floor * workers)
+                t0 = time.perf_counter()
+                sender.send(timeout=300)
+                if i:  # the first send warms up page tables and buffers
+                    times.append(time.perf_counter() - t0)
+            stop.set()
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return times
+
+
+def run_bench(
+    transports: Sequence[str], sizes: Sequence[str], worker_counts: Sequence[int],
+    repeats: int = 10, progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    torch.set_num_threads(1)
+    rows = []
+    for size in sizes:
+        nbytes = SIZES[size]
+        for transport in transports:
+            for n in worker_counts:
+                floor = memcpy_floor(nbytes)
+                if progress:
+                    progress(f"{transport} {size} x{n}")
+                times = bench_local(transport, nbytes, n, repeats, floor)
+                median = statistics.median(times)
+                rows.append(BenchRow(
+                    transport, size, nbytes, n, median * 1e3, _percentile(times, 0.9) * 1e3,
+                    nbytes / median / 1e9, floor * 1e3, median / floor,
+                ))
+    return rows
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    head = ("| transport | size | workers | median ms | p90 ms | GB/s | memcpy ms | "
+            "x memcpy | x memcpy per worker |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r.transport} | {r.size} | {r.workers} | {r.median_ms:.3f} | {r.p90_ms:.3f} | "
+            f"{r.gbps:.2f} | {r.memcpy_ms:.3f} | {r.ratio:.2f} | {r.ratio_per_worker:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(rows: Sequence[BenchRow], path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump([asdict(r) | {"ratio_per_worker": r.ratio_per_worker} for r in rows], fh, indent=2)

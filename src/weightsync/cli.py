@@ -1,0 +1,58 @@
+"""The ``weightsync`` command: ``demo`` (the main job) and ``bench`` (the speed tables)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from weightsync.demo import run_demo
+
+    result = run_demo(args.transport, args.workers, args.steps)
+    ok = (result.final_version == args.steps
+          and all(v == result.final_version for v in result.worker_versions.values())
+          and len(result.worker_versions) == args.workers)
+    return 0 if ok else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from weightsync.bench import format_table, run_bench, write_json
+
+    rows = run_bench(
+        args.transports, args.sizes, args.workers, args.repeats,
+        progress=lambda what: print(f"measuring {what} ...", file=sys.stderr, flush=True),
+    )
+    print(format_table(rows))
+    if args.json:
+        write_json(rows, args.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="a trainer and worker processes kept in sync")
+    demo.add_argument("--transport", choices=["shm", "mp"], default="shm")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=200)
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="time send() against one memcpy of the same bytes")
+    bench.add_argument("--transports", nargs="+", default=["shm", "mp"], choices=["shm", "mp"])
+    bench.add_argument("--sizes", nargs="+", default=["1MB", "400MB"], choices=["1MB", "400MB"])
+    bench.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
+    bench.add_argument("--repeats", type=int, default=10)
+    bench.add_argument("--json", help="also write the rows to this JSON file")
+    bench.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
