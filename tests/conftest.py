@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import weightsync as ws  # noqa: E402
+import weightsync as ws
 
 SCHEMES = {
     "shm": ws.SharedMemWeightSyncScheme,
@@ -26,19 +28,54 @@ def scheme_cls(request: pytest.FixtureRequest) -> Any:
     return SCHEMES[request.param]
 
 
+class MergedQueue:
+    """One ``multiprocessing.Queue`` per worker, read as one: a worker SIGKILLed while
+    holding its queue's write lock must not block the others' messages."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("spawn")  # usable by children of every start method
+        self.queues: list[Any] = []
+
+    def new(self) -> Any:
+        q = self._ctx.Queue()
+        self.queues.append(q)
+        return q
+
+    def get(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            for q in self.queues:
+                try:
+                    return q.get_nowait()
+                except queue.Empty:
+                    pass
+            if time.monotonic() >= deadline:
+                raise queue.Empty
+            time.sleep(0.002)
+
+    def empty(self) -> bool:
+        return all(q.empty() for q in self.queues)
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.close()
+            q.cancel_join_thread()
+
+
 class Workers:
     """Starts worker processes and makes sure none outlives the test."""
 
     def __init__(self, method: str = "fork") -> None:
         self.ctx = mp.get_context(method)
-        shared = mp.get_context("spawn")  # usable by children of every start method
-        self.out = shared.Queue()
-        self.stop = shared.Event()
+        self.out = MergedQueue()
+        self.stop = mp.get_context("spawn").Event()
         self.procs: dict[int, Any] = {}
 
     def start(self, target: Any, scheme: Any, idx: int, *args: Any, method: str | None = None) -> Any:
         ctx = mp.get_context(method) if method else self.ctx
-        proc = ctx.Process(target=target, args=(scheme, idx, self.out, self.stop, *args), daemon=True)
+        proc = ctx.Process(
+            target=target, args=(scheme, idx, self.out.new(), self.stop, *args), daemon=True
+        )
         proc.start()
         self.procs[idx] = proc
         return proc
@@ -56,7 +93,6 @@ class Workers:
                 proc.kill()
                 proc.join(5)
         self.out.close()
-        self.out.join_thread()
 
 
 @pytest.fixture

@@ -63,12 +63,19 @@ def _bench_worker(scheme: Any, idx: int, nbytes: int, stop: Any, ready: Any) -> 
     receiver.register_model(make_weights(nbytes))
     receiver.connect(timeout=120)
     ready.put(idx)
-    while not stop.is_set():
+    while not stop.is_set():  # a collector: a short env step, then poll() for new weights
+        time.sleep(0.001)
         try:
-            receiver.receive(timeout=0.2)
+            receiver.poll()
         except Exception:  # the sender closed: the run is over
             break
     receiver.close()
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -101,8 +108,9 @@ def bench_local(
             for _ in range(workers):
                 ready.get(timeout=300)
             for i in range(repeats + 1):
-                # let every worker finish applying the previous version (they share 2 cores)
-                time.sleep(0.02 + 3 * floor * workers)
+                # a training step between sends: the trainer keeps its core busy (a sleep
+                # would measure a cold CPU), while the workers apply the previous version
+                _busy(0.005 + 3 * floor * workers)
                 t0 = time.perf_counter()
                 sender.send(timeout=300)
                 if i:  # the first send warms up page tables and buffers

@@ -215,7 +215,7 @@ def test_receiver_whose_trainer_died_gets_an_error_not_a_hang(scheme_cls, worker
 
     scheme = scheme_cls(num_workers=1, timeout=30)
     ctx = mp.get_context("fork")
-    trainer = ctx.Process(target=trainer_process, args=(scheme, workers.out, 2), daemon=True)
+    trainer = ctx.Process(target=trainer_process, args=(scheme, workers.out.new(), 2), daemon=True)
     trainer.start()
     try:
         receiver = scheme.create_receiver(0)
@@ -305,7 +305,7 @@ def test_mismatched_receiver_fails_at_connect(scheme_cls, workers):
     sender.register_model(make_model())
     with pytest.raises(ws.SchemaMismatchError, match="worker 0"):
         sender.connect(timeout=30)
-    (event, idx, key, message), = drain(workers.out, 1)
+    (event, _idx, key, message), = drain(workers.out, 1)
     assert event == "mismatch" and key is not None and key in message
     sender.close()
 
@@ -356,6 +356,8 @@ def test_fifty_cycles_leave_nothing_behind(scheme_cls, workers):
             assert not proc.is_alive(), (cycle, proc.pid)
         while not workers.out.empty():
             workers.out.get(timeout=1)
+        workers.out.close()
+        workers.out.queues.clear()
         workers.stop.clear()
         workers.procs.clear()
     gc.collect()

@@ -86,6 +86,6 @@ def test_policy_weights_in_constructor_registers_them():
 
 
 def test_register_pipe_refuses_one_way_pipes():
-    r, w = mp.Pipe(duplex=False)
+    r, _w = mp.Pipe(duplex=False)
     with pytest.raises(TypeError, match="duplex"):
         SharedMemTransport().register_pipe(r)

@@ -123,7 +123,11 @@ class LocalSender(WeightSender):
     def _close_transport(self) -> None:
         """Release the transport's resources."""
 
+    #: deliver in a thread of its own after send_async (streams); else inline (notices)
     _deliver_in_background = False
+    #: a version counts as delivered once each worker acked it (streams); else once
+    #: published, which for shared memory means the worker's next poll() takes it
+    _delivery_needs_ack = True
 
     # ================================================================== hub thread
     def _run_hub(self) -> None:
@@ -325,6 +329,8 @@ class LocalSender(WeightSender):
         version = self._table.published + 1
         assert self._layout is not None
         t0 = time.perf_counter()
+        if not self._delivery_needs_ack:
+            self._drop_dead(requested)
         with self._membership:
             with self._cond:
                 targets = [w for w in requested if w in self._channels]
@@ -370,9 +376,10 @@ class LocalSender(WeightSender):
                     )
             if pending.error is not None:
                 raise pending.error
-            t0 = time.perf_counter()
-            self._wait_acks(pending, deadline)
-            pending.phases["ack"] = time.perf_counter() - t0
+            if self._delivery_needs_ack:
+                t0 = time.perf_counter()
+                self._wait_acks(pending, deadline)
+                pending.phases["ack"] = time.perf_counter() - t0
         finally:
             self._pending = None
         self._stats.add(SendRecord(pending.version, tuple(pending.targets), pending.nbytes,
@@ -405,6 +412,18 @@ class LocalSender(WeightSender):
                     )
                 self._cond.wait(deadline.slice(_HUB_TICK))
 
+    def _drop_dead(self, worker_ids: list[int]) -> None:
+        """Mark lost the workers whose socket hung up or whose process is dead or being
+        killed, so a send without acks still reports them (and never targets them)."""
+        with self._cond:
+            candidates = [(w, self._channels[w], self._table.workers[w].pid)
+                          for w in worker_ids if w in self._channels]
+        for w, channel, pid in candidates:
+            if channel.peer_closed():
+                self._mark_lost(w, channel, "connection closed; did the process die?")
+            elif pid is not None and _process_dying(int(pid)):
+                self._mark_lost(w, channel, f"process {pid} is dead or being killed")
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this sender is closed")
@@ -436,6 +455,36 @@ class LocalSender(WeightSender):
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+_PF_EXITING = 0x4  # task flag set as soon as a process starts to exit
+_SIGKILL_BIT = 1 << 8
+
+
+def _process_dying(pid: int) -> bool:
+    """True if ``pid`` is gone, a zombie, exiting, or has SIGKILL pending (Linux /proc).
+
+    A killed process closes its sockets only after tearing down its memory, which takes
+    milliseconds for a process holding a model; this sees the kill before that."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        stat = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:  # fields[0] is field 3 (state): flags is field 9, pending signals field 31
+        return (
+            fields[0] in (b"Z", b"X")
+            or int(fields[6]) & _PF_EXITING != 0
+            or int(fields[28]) & _SIGKILL_BIT != 0
+        )
+    except (IndexError, ValueError):
+        return False
 
 
 class LocalReceiver(WeightReceiver):
@@ -496,11 +545,22 @@ class LocalReceiver(WeightReceiver):
                     self._set_sender_lost(f"connection to the sender lost: {exc}")
                 return
 
+    #: ack a version when its bytes arrived (streams), else when applied (shared memory)
+    _ack_on_delivery = True
+
     def _mark_delivered(self, version: int, channel: Channel) -> None:
+        if self._ack_on_delivery:
+            channel.send({"t": "ack", "v": version}, timeout=self.scheme.timeout)
         with self._cond:
             self._delivered = max(self._delivered, version)
             self._cond.notify_all()
-        channel.send({"t": "ack", "v": version}, timeout=self.scheme.timeout)
+
+    def _applied(self, version: int) -> int:
+        self._version = version
+        if not self._ack_on_delivery and self._channel is not None:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout):
+                self._channel.send({"t": "ack", "v": version}, timeout=1.0)
+        return version
 
     def _set_sender_lost(self, why: str) -> None:
         with self._cond:
@@ -578,9 +638,7 @@ class LocalReceiver(WeightReceiver):
     def poll(self) -> int | None:
         self._check_sender()
         applied = self._apply_newest(self._destination(), Deadline(self.scheme.timeout))
-        if applied is not None:
-            self._version = applied
-        return applied
+        return None if applied is None else self._applied(applied)
 
     def receive(self, timeout: float | None = 5.0) -> int | None:
         deadline = Deadline(timeout)
@@ -589,8 +647,7 @@ class LocalReceiver(WeightReceiver):
             self._check_sender()
             applied = self._apply_newest(dest, Deadline(self.scheme.timeout))
             if applied is not None:
-                self._version = applied
-                return applied
+                return self._applied(applied)
             if deadline.expired():
                 return None
             self._wait_for_delivery(deadline, "receive")

@@ -37,6 +37,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
 
 
 class SharedMemWeightSender(LocalSender):
+    _delivery_needs_ack = False  # a published slot is delivered: the next poll() takes it
     def __init__(self, scheme: SharedMemWeightSyncScheme) -> None:
         self.transport = SharedMemTransport(
             auto_register=True, max_slots=scheme.max_slots or scheme.num_workers + 2
@@ -53,11 +54,14 @@ class SharedMemWeightSender(LocalSender):
         )
 
     def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
+        """Publishing delivered the version; wake only the workers blocked in receive()."""
         lost = {}
         for w in targets:
             channel = self._channel(w)
             if channel is None:
                 lost[w] = self._why.get(w, "connection lost")
+                continue
+            if not self.transport.worker_waiting(w):
                 continue
             try:
                 channel.send({"t": "version", "v": version}, timeout=deadline.slice(5.0))
@@ -76,6 +80,7 @@ class SharedMemWeightSender(LocalSender):
 
 
 class SharedMemWeightReceiver(LocalReceiver):
+    _ack_on_delivery = False
     def __init__(self, scheme: SharedMemWeightSyncScheme, worker_idx: int) -> None:
         super().__init__(scheme, worker_idx)
         self.transport = SharedMemTransport()
@@ -97,6 +102,17 @@ class SharedMemWeightReceiver(LocalReceiver):
 
     def _apply_newest(self, dest: dict[str, torch.Tensor], deadline: Deadline) -> int | None:
         return self.transport.apply_latest(self.worker_idx, dest, self._version, deadline)
+
+    def _wait_for_delivery(self, deadline: Deadline, what: str) -> None:
+        # raise the flag first, then look: a version published after the look is noticed
+        # (worst case, should the two race, the next 50 ms slice of the wait finds it)
+        self.transport.set_waiting(self.worker_idx, True)
+        try:
+            if self.transport.published_version(self.worker_idx) > self._version:
+                return
+            super()._wait_for_delivery(deadline, what)
+        finally:
+            self.transport.set_waiting(self.worker_idx, False)
 
     def _close_transport(self) -> None:
         self.transport.close()

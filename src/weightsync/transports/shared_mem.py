@@ -40,7 +40,8 @@ _MAX_WORKERS = 1024
 _HEADER_WORDS = 8
 _IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED = 0, 1, 2
 _LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
-_CONTROL_NBYTES = (_HEADER_WORDS + _MAX_WORKERS) * 8
+_WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
+_CONTROL_NBYTES = (_HEADER_WORDS + 2 * _MAX_WORKERS) * 8
 DEFAULT_MODEL_ID = "policy"
 
 
@@ -130,6 +131,9 @@ class _SenderModel:
 
     def target(self, worker_idx: int) -> int:
         return self.ctrl[_HEADER_WORDS + worker_idx]
+
+    def waiting(self, worker_idx: int) -> bool:
+        return self.ctrl[_WAITING_BASE + worker_idx] != 0
 
     def set_target(self, worker_idx: int, packed: int) -> None:
         self.ctrl[_HEADER_WORDS + worker_idx] = packed
@@ -265,6 +269,17 @@ class SharedMemTransport:
             return flat_tensors(weights, what="SharedMemTransport weights")
         except TypeError as exc:
             raise ValueError(str(exc)) from exc
+
+    def worker_waiting(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> bool:
+        """Sender side: is the worker blocked waiting for a version (and so needs a notice)?"""
+        model = self._models.get(model_id)
+        return model is not None and model.waiting(worker_idx)
+
+    def set_waiting(self, worker_idx: int, waiting: bool, model_id: str = DEFAULT_MODEL_ID) -> None:
+        """Receiver side: announce that this worker blocks until a notice comes."""
+        model = self._receiver_models.get(model_id)
+        if model is not None:
+            model.ctrl[_WAITING_BASE + worker_idx] = 1 if waiting else 0
 
     def layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
         model = self._models.get(model_id)
