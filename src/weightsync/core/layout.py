@@ -35,8 +35,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _align(offset: int) -> int:
-    return (offset + BUCKET_ALIGNMENT - 1) // BUCKET_ALIGNMENT * BUCKET_ALIGNMENT
+def _align(offset: int, alignment: int = BUCKET_ALIGNMENT) -> int:
+    return (offset + alignment - 1) // alignment * alignment
 
 
 @dataclass(frozen=True)
@@ -78,19 +78,20 @@ class BucketSpec:
 class Layout:
     """Ordered tensor specs with their packing into buckets; immutable once built."""
 
-    def __init__(self, specs: Iterable[TensorSpec]) -> None:
+    def __init__(self, specs: Iterable[TensorSpec], *, alignment: int = BUCKET_ALIGNMENT) -> None:
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self.alignment = alignment
         self._by_name: dict[str, TensorSpec] = {}
         for spec in self.specs:
             if spec.name in self._by_name:
                 raise ValueError(f"duplicate weight name {spec.name!r}")
             self._by_name[spec.name] = spec
-        self.buckets, self._slots, self.nbytes_by_device = self._plan_buckets(self.specs)
+        self.buckets, self._slots, self.nbytes_by_device = self._plan_buckets(self.specs, alignment)
         self.fingerprint = self._compute_fingerprint(self.specs)
 
     @staticmethod
     def _plan_buckets(
-        specs: tuple[TensorSpec, ...],
+        specs: tuple[TensorSpec, ...], alignment: int,
     ) -> tuple[tuple[BucketSpec, ...], dict[str, tuple[int, int]], dict[str, int]]:
         groups: dict[tuple[str, torch.dtype], list[TensorSpec]] = {}
         for spec in specs:
@@ -99,14 +100,14 @@ class Layout:
         slots: dict[str, tuple[int, int]] = {}
         device_end: dict[str, int] = {}
         for (device, dtype), members in groups.items():
-            start = _align(device_end.get(device, 0))
+            start = _align(device_end.get(device, 0), alignment)
             numel = 0
             for spec in members:
                 slots[spec.name] = (len(buckets), numel)
                 numel += spec.numel
             buckets.append(BucketSpec(device, dtype, start, numel, tuple(s.name for s in members)))
             device_end[device] = start + numel * dtype.itemsize
-        return tuple(buckets), slots, {d: _align(end) for d, end in device_end.items()}
+        return tuple(buckets), slots, {d: _align(end, alignment) for d, end in device_end.items()}
 
     @staticmethod
     def _compute_fingerprint(specs: tuple[TensorSpec, ...]) -> str:
@@ -274,6 +275,15 @@ class Layout:
             raw = buffers[bucket.device][bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
             views.append(raw.view(bucket.dtype))
         return views
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """``name -> (start, end)`` byte offsets of each tensor inside its device buffer."""
+        out = {}
+        for spec in self.specs:
+            index, start = self._slots[spec.name]
+            begin = self.buckets[index].byte_offset + start * spec.dtype.itemsize
+            out[spec.name] = (begin, begin + spec.nbytes)
+        return out
 
     def tensor_views(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``name -> tensor`` views into ``buffers``, shaped as the layout says."""

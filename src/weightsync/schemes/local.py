@@ -31,6 +31,7 @@ from weightsync.core.errors import (
     WeightSyncTimeoutError,
 )
 from weightsync.core.layout import Layout
+from weightsync.core.liveness import process_dying
 from weightsync.core.stats import SendRecord
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION, VersionTable
@@ -421,7 +422,7 @@ class LocalSender(WeightSender):
         for w, channel, pid in candidates:
             if channel.peer_closed():
                 self._mark_lost(w, channel, "connection closed; did the process die?")
-            elif pid is not None and _process_dying(int(pid)):
+            elif pid is not None and process_dying(int(pid)):
                 self._mark_lost(w, channel, f"process {pid} is dead or being killed")
 
     def _check_open(self) -> None:
@@ -455,36 +456,6 @@ class LocalSender(WeightSender):
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-_PF_EXITING = 0x4  # task flag set as soon as a process starts to exit
-_SIGKILL_BIT = 1 << 8
-
-
-def _process_dying(pid: int) -> bool:
-    """True if ``pid`` is gone, a zombie, exiting, or has SIGKILL pending (Linux /proc).
-
-    A killed process closes its sockets only after tearing down its memory, which takes
-    milliseconds for a process holding a model; this sees the kill before that."""
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        stat = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:  # fields[0] is field 3 (state): flags is field 9, pending signals field 31
-        return (
-            fields[0] in (b"Z", b"X")
-            or int(fields[6]) & _PF_EXITING != 0
-            or int(fields[28]) & _SIGKILL_BIT != 0
-        )
-    except (IndexError, ValueError):
-        return False
 
 
 class LocalReceiver(WeightReceiver):

@@ -1,0 +1,1 @@
+"""Integrations at the edge: inference engines and cluster frameworks."""

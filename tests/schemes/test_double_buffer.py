@@ -1,0 +1,280 @@
+"""VLLMDoubleBufferSyncScheme: slots on disk, atomic manifest, acks; real processes and files."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dbuf_workers import hammer_reader, looping_sender
+from safetensors import safe_open
+from workers import drain, echo_worker, make_model
+
+import weightsync as ws
+from weightsync.transports.directory import MANIFEST, slot_path
+
+
+@pytest.fixture
+def directory(tmp_path_factory):
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="ws-test-", dir=base))
+    yield path
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def manifest(directory):
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def test_slots_are_safetensors_files_updated_in_place(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1)
+    model = make_model()
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        assert sender.update_weights() == 0
+        inodes = {p.name: p.stat().st_ino for p in directory.glob("slot-*.safetensors")}
+        assert sorted(inodes) == ["slot-0.safetensors", "slot-1.safetensors"]
+        for _ in range(5):
+            with torch.no_grad():
+                model[0].weight.add_(1)
+            sender.update_weights()
+        after = {p.name: p.stat().st_ino for p in directory.glob("slot-*.safetensors")}
+        assert after == inodes  # preallocated: updates copy into the existing maps
+        committed = manifest(directory)["latest"]
+        assert committed["version"] == 5
+        with safe_open(str(slot_path(directory, committed["slot"])), "pt") as f:
+            assert set(f.keys()) == set(model.state_dict())
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(f.get_tensor(name), tensor), name
+
+
+def test_cast_to_bf16_on_the_fly(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, dtype=torch.bfloat16)
+    model = make_model()
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        sender.update_weights()
+        with safe_open(str(slot_path(directory, 0)), "pt") as f:
+            assert f.get_tensor("0.weight").dtype == torch.bfloat16
+            assert f.get_tensor("1.num_batches_tracked").dtype == torch.int64
+        local = make_model()
+        with torch.no_grad():
+            local[0].weight.zero_()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(local)
+        assert receiver.connect(timeout=5) == 0
+        assert torch.equal(local[0].weight, model[0].weight.bfloat16().float())
+        receiver.close()
+
+
+def test_send_blocks_for_acks_and_isolation(directory, workers):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=2, timeout=30)
+    for i in range(2):
+        workers.start(echo_worker, scheme, i)
+    model = make_model()
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    assert sender.connect(timeout=60) == 0
+    assert sorted(m[1:3] for m in drain(workers.out, 2)) == [(0, 0), (1, 0)]
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    assert sender.send(worker_ids=[0], timeout=30) == 1
+    assert drain(workers.out, 1)[0][1:3] == (0, 1)
+    time.sleep(0.3)
+    assert workers.out.empty()  # worker 1 was not named: it keeps version 0
+    assert sender.send(timeout=30) == 2
+    assert sorted(m[1:3] for m in drain(workers.out, 2)) == [(0, 2), (1, 2)]
+    with pytest.raises(RuntimeError, match="no send_async"):
+        sender.wait_async()
+    sender.send_async()
+    with pytest.raises(RuntimeError, match="pending"):
+        sender.send_async()
+    assert sender.wait_async(timeout=30) == 3
+    workers.kill(1)
+    with pytest.raises(ws.WorkerLostError) as info:
+        sender.send(timeout=10)
+    assert info.value.worker_ids == (1,)
+    sender.close()
+
+
+def test_snapshot_and_explicit_weights(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        sender.update_weights({k: torch.full_like(v, 3.0) for k, v in before.items()})
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        local = make_model()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(local)
+        receiver.connect(timeout=5)
+        with torch.no_grad():
+            model[0].weight.fill_(42.0)  # the optimizer writes after the send
+        assert receiver.poll() is None
+        assert float(local[0].weight.flatten()[0]) == 3.0
+        with torch.no_grad():
+            local[0].weight.fill_(-1.0)  # a worker writing its copy touches no slot
+        receiver2 = scheme.create_receiver(0)
+        other = make_model()
+        receiver2.register_model(other)
+        receiver2.connect(timeout=5)
+        assert float(other[0].weight.flatten()[0]) == 3.0
+        receiver.close()
+        receiver2.close()
+
+
+@pytest.mark.slow
+def test_tear_free_hammer_with_reader_processes(directory, workers):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=2, timeout=30)
+    weights = {f"t{i}": torch.zeros(4096) for i in range(8)}
+    sender = scheme.create_sender()
+    sender.register_model(weights)
+    sender.update_weights()
+    for i in range(2):
+        workers.start(hammer_reader, scheme, i)
+    sender.connect(timeout=60)
+    for version in range(1, 301):
+        for t in weights.values():
+            t.fill_(float(version))
+        assert sender.update_weights() == version
+    time.sleep(0.3)
+    workers.stop.set()
+    for _, idx, reads, violations, applied, final in drain(workers.out, 2):
+        assert violations == 0, f"reader {idx}: {violations} torn reads of {reads}"
+        assert reads >= 1000 and applied >= 2 and final == 300
+    sender.close()
+
+
+@pytest.mark.slow
+def test_sender_killed_mid_write_leaves_last_complete_version(directory, workers):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, timeout=30)
+    ctx = mp.get_context("spawn")
+    out = workers.out.new()
+    proc = ctx.Process(target=looping_sender, args=(scheme, out), daemon=True)
+    proc.start()
+    try:
+        committed = [m for m in drain(workers.out, 4, timeout=120) if m[0] == "committed"]
+        assert committed
+        time.sleep(0.037)  # somewhere in the middle of writing a 64 MB slot
+        proc.kill()
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    state = manifest(directory)
+    version = state["latest"]["version"]
+    # a receiver connects after the crash, verifies the checksums and gets a whole version
+    from dbuf_workers import big_model
+
+    local = big_model()
+    receiver = scheme.create_receiver(0)
+    receiver.register_model(local)
+    assert receiver.connect(timeout=10) == version
+    assert all(bool((t == float(version)).all()) for t in local.values())
+    with pytest.raises(ws.SenderLostError):
+        receiver.poll()  # the trainer is gone, and the receiver says so
+    # the next sender run recovers the directory and carries on numbering
+    weights = big_model()
+    with scheme.create_sender() as sender:
+        assert sender.version == version
+        sender.register_model(weights)
+        for t in weights.values():
+            t.fill_(-1.0)
+        assert sender.update_weights() == version + 1
+        assert not list(directory.glob(".*.tmp-*"))
+        assert receiver.receive(timeout=10) == version + 1
+        assert all(bool((t == -1.0).all()) for t in local.values())
+    receiver.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_slot_raises_integrity_error_and_keeps_version(directory, damage):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    model = make_model()
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        sender.update_weights()
+        local = make_model()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(local)
+        receiver.connect(timeout=5)
+        held = {k: v.clone() for k, v in local.state_dict().items()}
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        sender.update_weights()
+        path = slot_path(directory, manifest(directory)["latest"]["slot"])
+        if damage == "flip":
+            with open(path, "r+b") as fh:
+                fh.seek(path.stat().st_size - 5)
+                byte = fh.read(1)
+                fh.seek(-1, 1)
+                fh.write(bytes([byte[0] ^ 0x10]))
+        else:
+            os.truncate(path, path.stat().st_size - 64)
+        fresh = scheme.create_receiver(0)
+        fresh.register_model(make_model())
+        with pytest.raises(ws.IntegrityError):
+            receiver.poll()
+        with pytest.raises(ws.IntegrityError):
+            fresh.connect(timeout=2)
+        assert receiver.version == 0
+        assert all(torch.equal(v, held[k]) for k, v in local.state_dict().items())
+        receiver.close()
+        fresh.close()
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/../../b", "C:evil"])
+def test_names_that_escape_the_directory_are_refused(directory, name):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    with scheme.create_sender() as sender:
+        sender.register_model({name: torch.zeros(2)})
+        with pytest.raises(ValueError, match="refused"):
+            sender.update_weights()
+    assert not list(directory.glob("slot-*"))
+
+
+def test_nothing_on_disk_is_unpickled(directory, monkeypatch):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    model = make_model()
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        sender.update_weights()
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("unpickling is not allowed here")
+
+        monkeypatch.setattr(pickle, "loads", refuse)
+        monkeypatch.setattr(pickle, "load", refuse)
+        monkeypatch.setattr(torch, "load", refuse)
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(make_model())
+        assert receiver.connect(timeout=5) == 0
+        receiver.close()
+
+
+def test_mismatched_receiver_model_is_refused(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    with scheme.create_sender() as sender:
+        sender.register_model(make_model())
+        sender.update_weights()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(make_model(width=17))
+        with pytest.raises(ws.SchemaMismatchError, match="worker 0"):
+            receiver.connect(timeout=5)
+        assert receiver.version == -1
+
+
+def test_one_sender_per_directory(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    with scheme.create_sender(), pytest.raises(RuntimeError, match="another sender"):
+        ws.VLLMDoubleBufferSyncScheme(directory).create_sender()
