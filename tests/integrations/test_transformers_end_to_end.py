@@ -26,7 +26,8 @@ PROMPT = [5, 17, 42, 8]
 
 @pytest.mark.slow
 def test_trained_llm_generates_identically_on_the_receiver(workers):
-    directory = Path(tempfile.mkdtemp(prefix="ws-llm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    directory = Path(tempfile.mkdtemp(prefix="ws-llm-", dir=shm))
     scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, timeout=60)
     workers.start(llm_receiver, scheme, 0, CONFIG, PROMPT, method="spawn")
     torch.manual_seed(0)
