@@ -3,13 +3,16 @@ one memcpy of the same bytes measured in the same run (the machine's floor)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import mmap
 import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,6 +126,90 @@ def bench_local(
             if p.is_alive():
                 p.kill()
     return times
+
+
+def bench_directory(nbytes: int, where: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds per ``update_weights()`` into preallocated slots in ``where``, per receiver
+    apply, and per update that writes fresh memmap files into a new directory instead."""
+    import shutil
+    import tempfile
+
+    from tensordict import TensorDict
+
+    from weightsync import VLLMDoubleBufferSyncScheme
+
+    root = Path(tempfile.mkdtemp(prefix="weightsync-bench-", dir=where))
+    weights = make_weights(nbytes, fill=1.0)
+    local = make_weights(nbytes)
+    times: dict[str, list[float]] = {
+        "update": [], "apply": [], "fresh files": [], "plain copy into a mapped file": [],
+        "memcpy": [],
+    }
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    mapped_path = root / "plain-copy.bin"
+    with open(mapped_path, "wb") as fh:
+        fh.truncate(nbytes)
+    mapped_fh = open(mapped_path, "r+b")  # noqa: SIM115 - closed in the finally below
+    mapped = mmap.mmap(mapped_fh.fileno(), nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    mapped_dst = torch.frombuffer(mapped, dtype=torch.uint8)
+    try:
+        scheme = VLLMDoubleBufferSyncScheme(root / "slots", num_workers=1)
+        with scheme.create_sender() as sender:
+            sender.register_model(weights)
+            receiver = scheme.create_receiver(0)
+            receiver.register_model(local)
+            for i in range(repeats + 2):
+                t0 = time.perf_counter()
+                sender.update_weights()
+                t1 = time.perf_counter()
+                receiver.poll()
+                t2 = time.perf_counter()
+                dst.copy_(src)  # the floor, measured between the same steps
+                t3 = time.perf_counter()
+                mapped_dst.copy_(src)  # what a copy into this file system's pages costs
+                t4 = time.perf_counter()
+                if i > 1:  # both slots written once: warm
+                    times["update"].append(t1 - t0)
+                    times["apply"].append(t2 - t1)
+                    times["memcpy"].append(t3 - t2)
+                    times["plain copy into a mapped file"].append(t4 - t3)
+            receiver.close()
+        td = TensorDict(weights, batch_size=[])
+        for i in range(min(repeats, 5) + 1):
+            target = root / f"fresh-{i}"
+            t0 = time.perf_counter()
+            td.memmap(prefix=str(target))
+            if i:
+                times["fresh files"].append(time.perf_counter() - t0)
+            shutil.rmtree(root / f"fresh-{i - 1}", ignore_errors=True)
+    finally:
+        del mapped_dst
+        with contextlib.suppress(BufferError):
+            mapped.close()
+        mapped_fh.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return times
+
+
+def run_directory_bench(
+    size: str, places: Mapping[str, str], repeats: int,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    nbytes = SIZES[size]
+    rows = []
+    for label, where in places.items():
+        if progress:
+            progress(f"file {label} {size}")
+        measured = bench_directory(nbytes, where, repeats)
+        floor = statistics.median(measured.pop("memcpy"))
+        for phase, times in measured.items():
+            median = statistics.median(times)
+            rows.append(BenchRow(
+                f"file {phase} ({label})", size, nbytes, 1, median * 1e3,
+                _percentile(times, 0.9) * 1e3, nbytes / median / 1e9, floor * 1e3, median / floor,
+            ))
+    return rows
 
 
 def run_bench(

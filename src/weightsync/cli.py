@@ -18,12 +18,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from weightsync.bench import format_table, run_bench, write_json
+    from weightsync.bench import format_table, run_bench, run_directory_bench, write_json
 
-    rows = run_bench(
-        args.transports, args.sizes, args.workers, args.repeats,
-        progress=lambda what: print(f"measuring {what} ...", file=sys.stderr, flush=True),
-    )
+    def progress(what: str) -> None:
+        print(f"measuring {what} ...", file=sys.stderr, flush=True)
+
+    local = [t for t in args.transports if t != "file"]
+    rows = run_bench(local, args.sizes, args.workers, args.repeats, progress) if local else []
+    if "file" in args.transports:
+        places = {"/dev/shm": "/dev/shm", "local disk": args.disk_dir}
+        for size in args.sizes:
+            rows += run_directory_bench(size, places, args.repeats, progress)
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
@@ -42,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="time send() against one memcpy of the same bytes")
-    bench.add_argument("--transports", nargs="+", default=["shm", "mp"], choices=["shm", "mp"])
+    bench.add_argument("--transports", nargs="+", default=["shm", "mp", "file"],
+                       choices=["shm", "mp", "file"])
+    bench.add_argument("--disk-dir", default=".", help="a directory on local disk (file transport)")
     bench.add_argument("--sizes", nargs="+", default=["1MB", "400MB"], choices=["1MB", "400MB"])
     bench.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
     bench.add_argument("--repeats", type=int, default=10)

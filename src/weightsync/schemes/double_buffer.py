@@ -36,6 +36,7 @@ from weightsync.transports.directory import (
     bucket_checksums,
     check_layout_matches,
     file_layout,
+    pack_with_checksums,
     read_json,
     remove_stale_temp_files,
     sender_alive,
@@ -188,13 +189,12 @@ class VLLMDoubleBufferWeightSender(WeightSender):
         t0 = time.perf_counter()
         slot = self._acquire_slot(deadline)
         try:
-            slot.layout.pack(flat, slot.buffers)
+            checksums = pack_with_checksums(slot.layout, flat, slot.data)
             phases["write"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            checksums = bucket_checksums(slot.layout, slot.data)
             if self.scheme.durable:
+                t1 = time.perf_counter()
                 slot.flush()
-            phases["checksum"] = time.perf_counter() - t1
+                phases["flush"] = time.perf_counter() - t1
         finally:
             slot.unlock()
         slot_index = next(i for i, s in self._slots.items() if s is slot)

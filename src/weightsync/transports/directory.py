@@ -134,12 +134,51 @@ def bucket_checksums(layout: Layout, data: torch.Tensor) -> list[int]:
     sums = []
     for bucket in layout.buckets:
         raw = data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
-        words = raw.numel() // 8
-        total = int(raw[: words * 8].view(torch.int64).sum()) if words else 0
-        tail = raw[words * 8 :]
-        if tail.numel():
-            weights = torch.arange(1, tail.numel() + 1, dtype=torch.int64)
-            total += int((tail.to(torch.int64) * weights).sum())
+        words = raw.numel() // 8 * 8
+        sums.append((_word_sum(raw[:words]) + _tail_sum(raw[words:])) & 0xFFFFFFFFFFFFFFFF)
+    return sums
+
+
+_PIECE_BYTES = 4 << 20  # small enough that a piece is still in cache when it is summed
+
+
+def _word_sum(raw: torch.Tensor) -> int:
+    """Wrapping sum of the int64 words of ``raw`` (a uint8 tensor, length a multiple of 8)."""
+    return int(raw.view(torch.int64).sum()) if raw.numel() else 0
+
+
+def _tail_sum(tail: torch.Tensor) -> int:
+    if not tail.numel():
+        return 0
+    weights = torch.arange(1, tail.numel() + 1, dtype=torch.int64)
+    return int((tail.to(torch.int64) * weights).sum())
+
+
+@torch.no_grad()
+def pack_with_checksums(
+    layout: Layout, weights: Mapping[str, torch.Tensor], data: torch.Tensor
+) -> list[int]:
+    """Copy ``weights`` into ``data`` (casting where the layout says) and return the same
+    checksums as :func:`bucket_checksums`, summing each piece right after writing it."""
+    views = layout.tensor_views({"cpu": data})
+    sums = []
+    for bucket in layout.buckets:
+        raw = data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
+        total, summed, written = 0, 0, 0
+        for name in bucket.names:
+            src = weights[name].detach().reshape(-1)
+            dst = views[name].reshape(-1)
+            step = max(1, _PIECE_BYTES // dst.element_size())
+            for start in range(0, dst.numel(), step):
+                piece = dst[start : start + step]
+                piece.copy_(src[start : start + step])
+                written += piece.numel() * piece.element_size()
+                aligned = written - written % 8
+                if aligned - summed >= _PIECE_BYTES:
+                    total += _word_sum(raw[summed:aligned])
+                    summed = aligned
+        aligned = written - written % 8
+        total += _word_sum(raw[summed:aligned]) + _tail_sum(raw[aligned:written])
         sums.append(total & 0xFFFFFFFFFFFFFFFF)
     return sums
 
@@ -153,7 +192,8 @@ class SlotFile:
         self.layout = layout
         size = os.fstat(fd).st_size
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._map: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, size, flags, prot)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only maps are fine for readers
             whole = torch.frombuffer(self._map, dtype=torch.uint8)
