@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from weightsync.core.errors import WorkerLostError
 from weightsync.core.layout import Layout
@@ -41,7 +42,27 @@ class WeightSyncScheme(abc.ABC):
         """The end for worker ``worker_idx``."""
 
 
-class WeightSender(abc.ABC):
+class _Closable:
+    """``close()``, ``with`` and close-on-garbage-collection, for senders and receivers."""
+
+    _closed = False
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed:
+                self.close()
+
+
+class WeightSender(_Closable, abc.ABC):
     """Trainer side: publishes versions of one model's weights to the workers."""
 
     def __init__(self, scheme: WeightSyncScheme) -> None:
@@ -126,22 +147,9 @@ class WeightSender(abc.ABC):
         summary["layout_nbytes"] = self._layout.nbytes if self._layout else 0
         return summary
 
-    def close(self) -> None:
-        self._closed = True
-
-    def __enter__(self) -> WeightSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            if not self._closed:
-                self.close()
 
 
-class WeightReceiver(abc.ABC):
+class WeightReceiver(_Closable, abc.ABC):
     """Worker side: holds one model and applies whole versions to it, only when asked."""
 
     def __init__(self, scheme: WeightSyncScheme, worker_idx: int) -> None:
@@ -187,19 +195,6 @@ class WeightReceiver(abc.ABC):
     def receive(self, timeout: float | None = 5.0) -> int | None:
         """Block for a newer version and apply it; None on timeout."""
 
-    def close(self) -> None:
-        self._closed = True
-
-    def __enter__(self) -> WeightReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            if not self._closed:
-                self.close()
 
 
 def lost_error(worker_ids: list[int], version: int, why: dict[int, str]) -> WorkerLostError:

@@ -433,6 +433,14 @@ class LocalSender(WeightSender):
         with self._cond:
             return self._channels.get(idx)
 
+    def _reachable(self, targets: list[int]) -> tuple[list[tuple[int, Channel]], dict[int, str]]:
+        """The targets' channels, and {worker: why} for those already gone."""
+        with self._cond:
+            found = [(w, self._channels[w]) for w in targets if w in self._channels]
+            gone = {w: self._why.get(w, "connection lost") for w in targets
+                    if w not in self._channels}
+        return found, gone
+
     def close(self) -> None:
         if self._closed:
             return

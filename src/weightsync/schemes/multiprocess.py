@@ -58,12 +58,8 @@ class MultiProcessWeightSender(LocalSender):
     def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
         snapshot = self._latest
         assert snapshot is not None and snapshot.version == version
-        lost = {}
-        for w in targets:
-            channel = self._channel(w)
-            if channel is None:
-                lost[w] = self._why.get(w, "connection lost")
-                continue
+        reachable, lost = self._reachable(targets)
+        for w, channel in reachable:
             try:
                 self._send_to(channel, snapshot, deadline, with_layout=version == 0)
             except ChannelClosed as exc:

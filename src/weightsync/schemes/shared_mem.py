@@ -55,12 +55,8 @@ class SharedMemWeightSender(LocalSender):
 
     def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
         """Publishing delivered the version; wake only the workers blocked in receive()."""
-        lost = {}
-        for w in targets:
-            channel = self._channel(w)
-            if channel is None:
-                lost[w] = self._why.get(w, "connection lost")
-                continue
+        reachable, lost = self._reachable(targets)
+        for w, channel in reachable:
             if not self.transport.worker_waiting(w):
                 continue
             try:

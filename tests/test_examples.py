@@ -1,0 +1,22 @@
+"""Every script in examples/ runs to completion (short settings), so none rots."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+ARGS = {"shared_memory_collectors.py": ["--steps", "5"], "transformers_double_buffer.py": ["--steps", "2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(script: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(script), *ARGS.get(script.name, [])],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
