@@ -24,11 +24,33 @@ from weightsync.transports import MPTransport, SharedMemTransport, TransportBack
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """Ray names load on first use, so that ``ray`` stays an optional extra."""
+    if name in ("RayWeightSyncScheme", "RayWeightSender", "RayWeightReceiver"):
+        from weightsync.schemes import ray as ray_scheme
+
+        return getattr(ray_scheme, name)
+    if name == "RayTransport":
+        from weightsync.transports.ray import RayTransport
+
+        return RayTransport
+    if name == "RayWeightReceiverMixin":
+        from weightsync.integrations.ray import RayWeightReceiverMixin
+
+        return RayWeightReceiverMixin
+    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+
 __all__ = [
     "IntegrityError",
     "Layout",
     "MPTransport",
     "MultiProcessWeightSyncScheme",
+    "RayTransport",
+    "RayWeightReceiver",
+    "RayWeightReceiverMixin",
+    "RayWeightSender",
+    "RayWeightSyncScheme",
     "SchemaMismatchError",
     "SenderLostError",
     "SharedMemTransport",

@@ -19,6 +19,7 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
+from weightsync.core.staging import StagingBuffers
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
@@ -47,15 +48,11 @@ class Snapshot:
         return {"t": "mp.weights", "v": self.version, "fingerprint": self.layout.fingerprint}
 
 
-class Staging:
-    """Receiver side: two buffers, one being filled from the wire while the other is applied."""
+class Staging(StagingBuffers):
+    """Receiver side: the staging buffers, filled from the wire after checking the header."""
 
     def __init__(self, layout: Layout) -> None:
-        self.layout = layout.on_device("cpu")
-        self.buffers = [torch.empty(self.layout.nbytes, dtype=torch.uint8) for _ in range(2)]
-        self.staged: tuple[int, int] | None = None  # (version, buffer index)
-        self.applying: int | None = None
-        self.lock = threading.Lock()
+        super().__init__(layout.on_device("cpu"))
 
     def receive(self, message: Message, read_into: Any) -> int:
         """Read the payload of ``message`` into a free buffer via ``read_into(view)``."""
@@ -70,33 +67,7 @@ class Staging:
                 f"version {header.get('v')}: {message.payload_nbytes} bytes announced, the layout "
                 f"needs {self.layout.nbytes}"
             )
-        with self.lock:
-            staged_idx = None if self.staged is None else self.staged[1]
-            idx = next(i for i in (0, 1) if i != self.applying and i != staged_idx) if (
-                self.applying is None or staged_idx is None
-            ) else staged_idx
-            if idx == staged_idx:
-                self.staged = None  # about to be overwritten by a newer version
-        read_into(as_bytes(self.buffers[idx]))
-        version = int(header["v"])
-        with self.lock:
-            self.staged = (version, idx)
-        return version
-
-    def apply(self, dest: Mapping[str, torch.Tensor], held_version: int) -> int | None:
-        """Copy the newest staged version into ``dest`` if newer than ``held_version``."""
-        with self.lock:
-            if self.staged is None or self.staged[0] <= held_version:
-                return None
-            version, idx = self.staged
-            self.staged = None
-            self.applying = idx
-        try:
-            self.layout.unpack({"cpu": self.buffers[idx]}, dest)
-        finally:
-            with self.lock:
-                self.applying = None
-        return version
+        return self.fill(int(header["v"]), lambda buffers: read_into(as_bytes(buffers["cpu"])))
 
 
 class _QueueEndpoint:
