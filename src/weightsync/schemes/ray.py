@@ -118,6 +118,7 @@ class RayWeightSender(WeightSender):
         self._ray = ray
         self._table = VersionTable(scheme.num_workers)
         self._handles: dict[int, Any] = {}
+        self._reported: set[int] = set()  # lost and already reported: skipped until replaced
         self._members: dict[int, Any] = {}  # in the current group generation
         self._group: WeightGroup | None = None
         self._generation = 0
@@ -137,14 +138,20 @@ class RayWeightSender(WeightSender):
         for idx, handle in items:
             self._table.check_worker_ids([idx])
             self._handles[idx] = handle
+            self._reported.discard(idx)
 
     def add_worker(self, worker_idx: int, handle: Any, timeout: float | None = None) -> int:
-        """Bring in a (replacement) actor now and give it the current version."""
+        """Bring in a (replacement) actor now and give it the current version (the last
+        snapshot sent, under its own number); returns that version."""
         self.register_workers({worker_idx: handle})
         with self._lock:
             self._members.pop(worker_idx, None)
             self._group = None  # membership changed: rebuild
-            return self.send(None, [worker_idx], timeout=timeout) if self.version >= 0 else NO_VERSION
+            if self.version == NO_VERSION:
+                return NO_VERSION
+            self._start(None, [worker_idx], Deadline(self.scheme.timeout if timeout is None
+                                                      else timeout), resend=True)
+            return self.wait_async(timeout)
 
     def _take_announcements(self) -> None:
         announced = self._ray.get(self._rendezvous.take_announcements.remote(),
@@ -152,6 +159,7 @@ class RayWeightSender(WeightSender):
         for idx, handle in announced.items():
             logger.info("worker %d announced a (new) actor; it joins at the next send", idx)
             self._handles[idx] = handle
+            self._reported.discard(idx)
             self._members.pop(idx, None)
             self._group = None
 
@@ -264,13 +272,20 @@ class RayWeightSender(WeightSender):
         self._start(weights, worker_ids, Deadline(self.scheme.timeout if timeout is None else timeout))
         return self.wait_async(timeout)
 
-    def _start(self, weights: Any, worker_ids: int | list[int] | None, deadline: Deadline) -> None:
+    def _start(
+        self, weights: Any, worker_ids: int | list[int] | None, deadline: Deadline,
+        resend: bool = False,
+    ) -> None:
         if self._closed:
             raise RuntimeError("this sender is closed")
         if self._pending is not None:
             raise RuntimeError("a send_async() is still pending: call wait_async() first")
+        with self._lock:
+            self._take_announcements()  # a replacement actor joins at the next send
         named = self._table.check_worker_ids(worker_ids)
-        flat = self._weights_to_send(weights)
+        if worker_ids is None:
+            named = [w for w in named if w not in self._reported]
+        flat = None if resend else self._weights_to_send(weights)
         assert self._layout is not None
         t0 = time.perf_counter()
         with self._lock:
@@ -279,15 +294,15 @@ class RayWeightSender(WeightSender):
                 self._layout_on_wire = self._layout.on_device(
                     f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
                 self._buffers = self._layout_on_wire.allocate()
-            self._layout_on_wire.pack(flat, self._buffers)  # the snapshot
+            if flat is not None:
+                self._layout_on_wire.pack(flat, self._buffers)  # the snapshot
             if self.scheme.backend == "nccl":
                 torch.cuda.synchronize()
             pack_s = time.perf_counter() - t0
             lost: dict[int, str] = {}
-            self._take_announcements()  # a replacement actor joins at the next send
             if self._group is None:
                 lost.update(self._build_group(deadline))
-            version = self.version + 1
+            version = self.version if resend else self.version + 1
             refs = {w: h._weightsync_receive.remote(version, w in named)
                     for w, h in self._members.items()}
             t1 = time.perf_counter()
@@ -334,6 +349,7 @@ class RayWeightSender(WeightSender):
                                    dict(self._phases)))
         if lost:
             self._group = None
+            self._reported.update(lost)
             raise WorkerLostError(
                 f"lost worker(s) {sorted(lost)} while sending version {version}: "
                 + "; ".join(f"worker {w}: {why}" for w, why in sorted(lost.items()))
@@ -408,7 +424,7 @@ class RayWeightReceiver(WeightReceiver):
 
         handle = ray.get_runtime_context().current_actor
         rendezvous = ray.get_actor(self.scheme.connection_info_name)
-        rendezvous.announce.remote(self.worker_idx, handle)
+        ray.get(rendezvous.announce.remote(self.worker_idx, handle), timeout=self.scheme.timeout)
 
     def connect(self, timeout: float | None = None) -> int:
         """Wait until the sender has delivered a version, and apply it. In a threaded actor

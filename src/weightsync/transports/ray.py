@@ -53,9 +53,14 @@ def free_port() -> int:
 
 
 def node_address() -> str:
-    """This node's address as Ray knows it (never a hard-coded loopback)."""
+    """This node's address as the Ray cluster knows it (the address its raylet was started
+    with; never a hard-coded loopback), so the same code runs on a multi-node cluster."""
     import ray
 
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return str(node["NodeManagerAddress"])
     return str(ray.util.get_node_ip_address())
 
 

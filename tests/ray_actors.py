@@ -1,0 +1,66 @@
+"""Ray actor classes for the Ray tests (importable by Ray workers through PYTHONPATH)."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+from workers import checksum, make_model
+
+from weightsync.integrations.ray import RayWeightReceiverMixin
+
+
+@ray.remote(num_cpus=0)
+class Collector(RayWeightReceiverMixin):
+    def __init__(self, scheme, idx, width=16):
+        self.model = make_model(width)
+        self.weightsync_setup(scheme, idx, self.model)
+
+    def state(self):
+        self.weightsync_receiver.poll()
+        return self.weightsync_receiver.version, checksum(self.model)
+
+    def scribble(self):
+        with torch.no_grad():
+            for t in self.model.state_dict().values():
+                t.fill_(1234.0)
+        return checksum(self.model)
+
+    def default_group_initialised(self):
+        return torch.distributed.is_initialized()
+
+    def hammer(self, seconds):
+        """Poll in a tight loop (a threaded actor receives meanwhile); check every tensor
+        equals the version the receiver says it holds."""
+        receiver = self.weightsync_receiver
+        tensors = list(self.model.state_dict().values())
+        reads = violations = applied = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if receiver.poll() is not None:
+                applied += 1
+            expected = float(max(receiver.version, 0))
+            if any(not bool((t == expected).all()) for t in tensors):
+                violations += 1
+            reads += 1
+        return reads, violations, applied, receiver.version
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """A trainer living in an actor, syncing collectors it was handed."""
+
+    def __init__(self, scheme, collectors):
+        self.model = make_model()
+        self.sender = scheme.create_sender(collectors)
+        self.sender.register_model(self.model)
+
+    def run(self, steps):
+        self.sender.connect(timeout=60)
+        for _ in range(steps):
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(1.0)
+            self.sender.send(timeout=30)
+        return self.sender.version, checksum(self.model)

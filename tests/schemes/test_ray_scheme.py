@@ -1,0 +1,193 @@
+"""RayWeightSyncScheme on a real local Ray instance (started and shut down here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from workers import checksum, fill_all, make_model  # noqa: E402
+
+import weightsync as ws  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ray_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "raylet" in line or "gcs_server" in line]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        _node_ip_address="127.0.0.1",  # test traffic stays on loopback
+        object_store_memory=100 * 1024 * 1024,
+        runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}},
+    )
+    yield
+    t0 = time.monotonic()
+    ray.shutdown()
+    assert time.monotonic() - t0 < 20, "ray.shutdown() must return promptly"
+    deadline = time.monotonic() + 20
+    while _ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _ray_processes(), _ray_processes()
+
+
+@pytest.fixture
+def actors(ray_cluster):
+    from ray_actors import Collector
+
+    made = []
+
+    def make(scheme, n, width=16, **options):
+        group = [Collector.options(**options).remote(scheme, i, width) for i in range(n)]
+        ray.get([a.state.remote() for a in group])
+        made.extend(group)
+        return group
+
+    yield make
+    for actor in made:
+        ray.kill(actor)
+
+
+def states(group):
+    return ray.get([a.state.remote() for a in group], timeout=30)
+
+
+def test_versions_snapshot_and_isolation(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+    group = actors(scheme, 2)
+    model = make_model()
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        assert sender.connect(timeout=60) == 0
+        assert states(group) == [(0, checksum(model))] * 2
+        fill_all(model, 1.0)
+        sender.send_async()
+        fill_all(model, 99.0)  # optimizer writes while the send is in flight
+        assert sender.wait_async(timeout=30) == 1
+        expected = float(sum(t.numel() for t in model.state_dict().values()))
+        assert states(group) == [(1, expected)] * 2
+        assert sender.send(worker_ids=[0], timeout=30) == 2
+        assert states(group) == [(2, checksum(model)), (1, expected)]  # worker 1 keeps v1
+        # a worker scribbling on its copy changes nothing elsewhere
+        ray.get(group[1].scribble.remote())
+        assert states(group)[0] == (2, checksum(model))
+        assert sender.stats()["worker_lag"] == {0: 0, 1: 1}
+    assert not torch.distributed.is_initialized()
+    assert ray.get([a.default_group_initialised.remote() for a in group]) == [False, False]
+
+
+def test_layout_mismatch_fails_at_connect(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=1, timeout=30)
+    group = actors(scheme, 1, width=17)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(make_model())
+        with pytest.raises(ws.SchemaMismatchError, match="worker 0") as info:
+            sender.connect(timeout=30)
+        assert info.value.key is not None and info.value.key in str(info.value)
+
+
+def test_tear_free_hammer_with_threaded_actors(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+    group = actors(scheme, 2, width=64, max_concurrency=2)
+    model = make_model(64)
+    fill_all(model, 0.0)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        runs = [a.hammer.remote(6.0) for a in group]
+        for version in range(1, 101):
+            fill_all(model, float(version))
+            assert sender.send(timeout=30) == version
+        for reads, violations, applied, final in ray.get(runs, timeout=60):
+            assert violations == 0, f"{violations} torn reads of {reads}"
+            assert reads >= 1000 and applied >= 2 and final == 100
+
+
+def test_killed_actor_raises_then_survivors_and_replacement(actors):
+    from ray_actors import Collector
+
+    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=20)
+    group = actors(scheme, 3)
+    model = make_model()
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        ray.kill(group[1])
+        fill_all(model, 2.0)
+        t0 = time.monotonic()
+        with pytest.raises(ws.WorkerLostError) as info:
+            sender.send(timeout=20)
+        assert info.value.worker_ids == (1,) and "worker 1" in str(info.value)
+        assert time.monotonic() - t0 < 20
+        fill_all(model, 3.0)
+        assert sender.send(timeout=20) == 2  # the group is rebuilt from the survivors
+        assert [s[0] for s in states([group[0], group[2]])] == [2, 2]
+        # a replacement announces itself and joins at the next send
+        replacement = Collector.remote(scheme, 1)
+        ray.get(replacement.state.remote())
+        fill_all(model, 4.0)
+        assert sender.send(timeout=20) == 3
+        assert states([group[0], replacement, group[2]]) == [(3, checksum(model))] * 3
+        # add_worker brings one in at once, with the current version under its number
+        other = Collector.remote(scheme, 2)
+        assert sender.add_worker(2, other, timeout=20) == 3
+        assert states([other]) == [(3, checksum(model))]
+        ray.kill(replacement)
+        ray.kill(other)
+
+
+def test_actor_killed_during_send(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=20)
+    group = actors(scheme, 2, width=1024)
+    model = make_model(1024)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        import threading
+
+        killer = threading.Timer(0.2, ray.kill, args=(group[1],))
+        killer.start()
+        lost_at = None
+        for version in range(1, 500):
+            try:
+                sender.send(timeout=20)
+            except ws.WorkerLostError as exc:
+                assert exc.worker_ids == (1,)
+                lost_at = version
+                break
+        killer.join()
+        assert lost_at is not None
+        assert sender.send(timeout=20) == lost_at + 1
+        assert states([group[0]])[0][0] == lost_at + 1
+
+
+def test_trainer_in_an_actor(actors, ray_cluster):
+    from ray_actors import Trainer
+
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+    group = actors(scheme, 2)
+    trainer = Trainer.remote(scheme, group)
+    version, total = ray.get(trainer.run.remote(3), timeout=120)
+    assert version == 3
+    assert states(group) == [(3, total)] * 2
+    ray.kill(trainer)
+
+
+def test_seed_ray_transport_contract():
+    transport = ws.RayTransport(worker_idx=0, backend="gloo", connection_info_name="x")
+    with pytest.raises(RuntimeError, match="pending"):
+        transport.wait_ack()
+    with pytest.raises(ValueError, match="backend"):
+        ws.RayTransport(backend="mpi")
+    assert isinstance(transport, ws.TransportBackend)
