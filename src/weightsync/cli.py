@@ -23,8 +23,13 @@ def _bench(args: argparse.Namespace) -> int:
     def progress(what: str) -> None:
         print(f"measuring {what} ...", file=sys.stderr, flush=True)
 
-    local = [t for t in args.transports if t != "file"]
+    local = [t for t in args.transports if t in ("shm", "mp")]
     rows = run_bench(local, args.sizes, args.workers, args.repeats, progress) if local else []
+    if "ray" in args.transports:
+        from weightsync.bench import run_ray_bench
+
+        for size in args.sizes:
+            rows += run_ray_bench(size, args.workers, args.repeats, progress)
     if "file" in args.transports:
         places = {"/dev/shm": "/dev/shm", "local disk": args.disk_dir}
         for size in args.sizes:
@@ -47,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="time send() against one memcpy of the same bytes")
-    bench.add_argument("--transports", nargs="+", default=["shm", "mp", "file"],
-                       choices=["shm", "mp", "file"])
+    bench.add_argument("--transports", nargs="+", default=["shm", "mp", "ray", "file"],
+                       choices=["shm", "mp", "ray", "file"])
     bench.add_argument("--disk-dir", default=".", help="a directory on local disk (file transport)")
     bench.add_argument("--sizes", nargs="+", default=["1MB", "400MB"], choices=["1MB", "400MB"])
     bench.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
