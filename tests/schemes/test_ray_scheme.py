@@ -191,3 +191,12 @@ def test_seed_ray_transport_contract():
     with pytest.raises(ValueError, match="backend"):
         ws.RayTransport(backend="mpi")
     assert isinstance(transport, ws.TransportBackend)
+
+
+def test_demo_over_ray(ray_cluster):
+    from weightsync.demo import run_demo
+
+    result = run_demo("ray", workers=2, max_iterations=6, plot=None, live=False,
+                      log=lambda line: None)
+    assert result.final_version == 6 and len(result.batch_versions) == 48
+    assert ray.is_initialized()  # the demo used our cluster and left it running
