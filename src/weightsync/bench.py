@@ -353,6 +353,29 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+def write_plot(rows: Sequence[BenchRow], path: str) -> str:
+    """A horizontal bar per row: its median as a multiple of the floor measured beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.transport} {r.size} x{r.workers}" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.2))
+    ax.barh(range(len(rows)), [r.ratio for r in rows], color="tab:blue")
+    ax.axvline(1.0, color="grey", linestyle="--")
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("median / floor (memcpy; gloo p2p for ray), log scale")
+    for i, r in enumerate(rows):
+        ax.text(r.ratio, i, f" {r.median_ms:.3g} ms", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_json(rows: Sequence[BenchRow], path: str) -> None:
     with open(path, "w") as fh:
         json.dump([asdict(r) | {"ratio_per_worker": r.ratio_per_worker} for r in rows], fh, indent=2)

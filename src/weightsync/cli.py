@@ -19,11 +19,30 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from weightsync.bench import format_table, run_bench, run_directory_bench, write_json
+    from rich.console import Console
+    from rich.progress import Progress
 
-    def progress(what: str) -> None:
-        print(f"measuring {what} ...", file=sys.stderr, flush=True)
+    from weightsync.bench import (
+        format_table,
+        run_bench,
+        run_directory_bench,
+        write_json,
+        write_plot,
+    )
 
+    n_local = len([t for t in args.transports if t in ("shm", "mp")]) * len(args.workers)
+    total = len(args.sizes) * (n_local + ("ray" in args.transports) * len(args.workers)
+                               + ("file" in args.transports) * 2)
+    bar = Progress(transient=True, console=Console(stderr=True))
+    task = bar.add_task("weightsync bench", total=total)
+    done = 0
+
+    def progress(what: str) -> None:  # called as each configuration starts
+        nonlocal done
+        bar.update(task, completed=done, description=f"measuring {what}")
+        done += 1
+
+    bar.start()
     local = [t for t in args.transports if t in ("shm", "mp")]
     rows = run_bench(local, args.sizes, args.workers, args.repeats, progress) if local else []
     if "ray" in args.transports:
@@ -35,9 +54,13 @@ def _bench(args: argparse.Namespace) -> int:
         places = {"/dev/shm": "/dev/shm", "local disk": args.disk_dir}
         for size in args.sizes:
             rows += run_directory_bench(size, places, args.repeats, progress)
+    bar.update(task, completed=total)
+    bar.stop()
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
+    if args.plot:
+        write_plot(rows, args.plot)
     return 0
 
 
@@ -66,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
     bench.add_argument("--repeats", type=int, default=10)
     bench.add_argument("--json", help="also write the rows to this JSON file")
+    bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
