@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
-ARGS = {"shared_memory_collectors.py": ["--steps", "5"], "transformers_double_buffer.py": ["--steps", "2"]}
+ARGS = {
+    "shared_memory_collectors.py": ["--steps", "5"],
+    "transformers_double_buffer.py": ["--steps", "2"],
+    "ray_actors.py": ["--steps", "3"],
+}
 
 
 @pytest.mark.slow

@@ -615,18 +615,26 @@ class LocalReceiver(WeightReceiver):
                 self._cond.wait(deadline.slice(0.05))
 
     def poll(self) -> int | None:
-        self._check_sender()
+        """Apply the newest delivered version, if newer; a version delivered before the
+        sender died is still applied, after that the loss is raised."""
+        if self._channel is None:
+            raise RuntimeError(f"worker {self.worker_idx}: call connect() first")
         applied = self._apply_newest(self._destination(), Deadline(self.scheme.timeout))
-        return None if applied is None else self._applied(applied)
+        if applied is None:
+            self._check_sender()
+            return None
+        return self._applied(applied)
 
     def receive(self, timeout: float | None = 5.0) -> int | None:
         deadline = Deadline(timeout)
         dest = self._destination()
         while True:
-            self._check_sender()
+            if self._channel is None:
+                raise RuntimeError(f"worker {self.worker_idx}: call connect() first")
             applied = self._apply_newest(dest, Deadline(self.scheme.timeout))
             if applied is not None:
                 return self._applied(applied)
+            self._check_sender()
             if deadline.expired():
                 return None
             self._wait_for_delivery(deadline, "receive")
