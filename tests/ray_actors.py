@@ -27,6 +27,13 @@ class Collector(RayWeightReceiverMixin):
                 t.fill_(1234.0)
         return checksum(self.model)
 
+    def receive_error(self, timeout):
+        try:
+            self.weightsync_receiver.receive(timeout=timeout)
+        except Exception as exc:
+            return type(exc).__name__
+        return None
+
     def default_group_initialised(self):
         return torch.distributed.is_initialized()
 

@@ -87,6 +87,19 @@ def test_versions_snapshot_and_isolation(actors):
     assert ray.get([a.default_group_initialised.remote() for a in group]) == [False, False]
 
 
+def test_receiver_learns_its_sender_is_gone(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=1, timeout=30)
+    group = actors(scheme, 1)
+    sender = scheme.create_sender(group)
+    sender.register_model(make_model())
+    sender.connect(timeout=60)
+    assert states(group)[0][0] == 0
+    sender.close()  # as when the trainer dies: its rendezvous actor goes with it
+    t0 = time.monotonic()
+    assert ray.get(group[0].receive_error.remote(5.0), timeout=30) == "SenderLostError"
+    assert time.monotonic() - t0 < 10
+
+
 def test_layout_mismatch_fails_at_connect(actors):
     scheme = ws.RayWeightSyncScheme(num_workers=1, timeout=30)
     group = actors(scheme, 1, width=17)

@@ -391,6 +391,7 @@ class RayWeightReceiver(WeightReceiver):
         )
         self._staging: StagingBuffers | None = None
         self._arrived = threading.Condition()
+        self._sender_checked = 0.0
 
     # -------------------------------------------------- driven by the sender (via the mixin)
     def check_layout(self, layout: dict[str, Any]) -> None:
@@ -443,12 +444,33 @@ class RayWeightReceiver(WeightReceiver):
                 self._arrived.wait(deadline.slice(0.05))
 
     def poll(self) -> int | None:
-        if self._staging is None:
-            return None
-        applied = self._staging.apply(self._destination(), self._version)
+        """Apply the newest staged version; with nothing new, check (about once a second)
+        that the sender still lives: its rendezvous actor dies with it."""
+        applied = None
+        if self._staging is not None:
+            applied = self._staging.apply(self._destination(), self._version)
         if applied is not None:
             self._version = applied
-        return applied
+            return applied
+        self._check_sender()
+        return None
+
+    def _check_sender(self) -> None:
+        now = time.monotonic()
+        if self.transport.group is None or now - self._sender_checked < 1.0:
+            return  # not joined yet: there may be no sender so far
+        self._sender_checked = now
+        import ray
+
+        try:
+            ray.get_actor(self.scheme.connection_info_name)
+        except ValueError:
+            from weightsync.core.errors import SenderLostError
+
+            raise SenderLostError(
+                f"worker {self.worker_idx} (at version {self._version}): the sender is gone "
+                f"(its rendezvous actor {self.scheme.connection_info_name!r} no longer exists)"
+            ) from None
 
     def receive(self, timeout: float | None = 5.0) -> int | None:
         deadline = Deadline(timeout)
