@@ -39,6 +39,14 @@ class BenchRow:
         return self.ratio / self.workers
 
 
+def make_row(label: str, size: str, workers: int, times: Sequence[float], floor: float) -> BenchRow:
+    """One table row: median and p90 of ``times`` (seconds) against ``floor`` (seconds)."""
+    nbytes = SIZES[size]
+    median = statistics.median(times)
+    return BenchRow(label, size, nbytes, workers, median * 1e3, _percentile(times, 0.9) * 1e3,
+                    nbytes / median / 1e9, floor * 1e3, median / floor)
+
+
 def make_weights(nbytes: int, fill: float = 0.0) -> dict[str, torch.Tensor]:
     """fp32 tensors adding up to ``nbytes`` (in up to 50 pieces, like a model's layers)."""
     numel = nbytes // 4
@@ -203,12 +211,8 @@ def run_directory_bench(
             progress(f"file {label} {size}")
         measured = bench_directory(nbytes, where, repeats)
         floor = statistics.median(measured.pop("memcpy"))
-        for phase, times in measured.items():
-            median = statistics.median(times)
-            rows.append(BenchRow(
-                f"file {phase} ({label})", size, nbytes, 1, median * 1e3,
-                _percentile(times, 0.9) * 1e3, nbytes / median / 1e9, floor * 1e3, median / floor,
-            ))
+        rows += [make_row(f"file {phase} ({label})", size, 1, times, floor)
+                 for phase, times in measured.items()]
     return rows
 
 
@@ -306,13 +310,8 @@ def run_ray_bench(
                 progress(f"ray {size} x{n}")
             measured = bench_ray(nbytes, n, repeats)
             floor = statistics.median(measured.pop("p2p"))
-            for phase, times in measured.items():
-                median = statistics.median(times)
-                rows.append(BenchRow(
-                    f"ray {phase} (vs gloo p2p)", size, nbytes, n, median * 1e3,
-                    _percentile(times, 0.9) * 1e3, nbytes / median / 1e9, floor * 1e3,
-                    median / floor,
-                ))
+            rows += [make_row(f"ray {phase} (vs gloo p2p)", size, n, times, floor)
+                     for phase, times in measured.items()]
     finally:
         if started:
             ray.shutdown()
@@ -333,11 +332,7 @@ def run_bench(
                 if progress:
                     progress(f"{transport} {size} x{n}")
                 times = bench_local(transport, nbytes, n, repeats, floor)
-                median = statistics.median(times)
-                rows.append(BenchRow(
-                    transport, size, nbytes, n, median * 1e3, _percentile(times, 0.9) * 1e3,
-                    nbytes / median / 1e9, floor * 1e3, median / floor,
-                ))
+                rows.append(make_row(transport, size, n, times, floor))
     return rows
 
 

@@ -31,6 +31,13 @@ def start(workers, scheme, n, target=echo_worker, *args, method=None):
         workers.start(target, scheme, i, *args, method=method)
 
 
+def connected_sender(scheme, model):
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.connect(timeout=30)
+    return sender
+
+
 def connected(workers, n):
     return sorted(drain(workers.out, n), key=lambda m: m[1])
 
@@ -56,9 +63,7 @@ def test_snapshot_optimizer_writes_after_send_do_not_reach_workers(scheme_cls, w
     scheme = scheme_cls(num_workers=1, timeout=30)
     start(workers, scheme, 1)
     model = make_model()
-    sender = scheme.create_sender()
-    sender.register_model(model)
-    sender.connect(timeout=30)
+    sender = connected_sender(scheme, model)
     drain(workers.out, 1)
     fill_all(model, 1.0)
     sender.send_async()
@@ -115,9 +120,7 @@ def test_isolation_worker_ids(scheme_cls, workers):
     scheme = scheme_cls(num_workers=2, timeout=30)
     start(workers, scheme, 2)
     model = make_model()
-    sender = scheme.create_sender()
-    sender.register_model(model)
-    sender.connect(timeout=30)
+    sender = connected_sender(scheme, model)
     base = connected(workers, 2)[1][3]
     fill_all(model, 5.0)
     assert sender.send(worker_ids=[0], timeout=30) == 1
@@ -159,9 +162,7 @@ def test_killed_worker_raises_then_others_continue_and_restart_rejoins(scheme_cl
     scheme = scheme_cls(num_workers=2, timeout=10)
     start(workers, scheme, 2)
     model = make_model()
-    sender = scheme.create_sender()
-    sender.register_model(model)
-    sender.connect(timeout=30)
+    sender = connected_sender(scheme, model)
     connected(workers, 2)
     workers.kill(1)
     fill_all(model, 2.0)
@@ -243,9 +244,7 @@ def test_schema_mismatch_on_send_changes_nothing(scheme_cls, workers):
     scheme = scheme_cls(num_workers=2, timeout=30)
     start(workers, scheme, 2)
     model = make_model()
-    sender = scheme.create_sender()
-    sender.register_model(model)
-    sender.connect(timeout=30)
+    sender = connected_sender(scheme, model)
     before = connected(workers, 2)
     good = {k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()}
     cases = {
