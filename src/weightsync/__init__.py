@@ -1,5 +1,7 @@
 """weightsync: keep many workers' weights in sync with one trainer, fast and tear-free."""
 
+from typing import Any
+
 from weightsync.core import (
     IntegrityError,
     Layout,
@@ -25,7 +27,7 @@ from weightsync.transports import MPTransport, SharedMemTransport, TransportBack
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     """Ray names load on first use, so that ``ray`` stays an optional extra."""
     if name in ("RayWeightSyncScheme", "RayWeightSender", "RayWeightReceiver"):
         from weightsync.schemes import ray as ray_scheme

@@ -89,7 +89,7 @@ def _ray_collector_class() -> Any:
 
     from weightsync.integrations.ray import RayWeightReceiverMixin
 
-    @ray.remote(num_cpus=0, max_concurrency=2)  # deliveries run beside the collecting loop
+    @ray.remote(num_cpus=0, max_concurrency=2)  # type: ignore[call-overload]  # deliveries run beside the loop
     class Collector(RayWeightReceiverMixin):
         def __init__(self, scheme: Any, idx: int, out: Any, seed: int) -> None:
             self.policy = make_policy()

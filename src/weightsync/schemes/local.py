@@ -33,7 +33,7 @@ from weightsync.core.errors import (
 from weightsync.core.layout import Layout
 from weightsync.core.liveness import process_dying
 from weightsync.core.stats import SendRecord
-from weightsync.core.strategy import WeightStrategy, flat_tensors
+from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION, VersionTable
 from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme, lost_error
 from weightsync.transports.local_channel import (
@@ -429,10 +429,6 @@ class LocalSender(WeightSender):
         if self._closed:
             raise RuntimeError("this sender is closed")
 
-    def _channel(self, idx: int) -> Channel | None:
-        with self._cond:
-            return self._channels.get(idx)
-
     def _reachable(self, targets: list[int]) -> tuple[list[tuple[int, Channel]], dict[int, str]]:
         """The targets' channels, and {worker: why} for those already gone."""
         with self._cond:
@@ -650,6 +646,3 @@ class LocalReceiver(WeightReceiver):
             self._reader.join(5.0)
         self._close_transport()
 
-
-def model_flat(model: Any) -> dict[str, torch.Tensor]:
-    return flat_tensors(model, what="model")

@@ -127,7 +127,7 @@ class RayWeightSender(WeightSender):
         self._buffers: dict[str, torch.Tensor] | None = None
         self._pending: tuple[int, list[int], dict[int, Any], float, dict[int, str]] | None = None
         self._lock = threading.RLock()
-        self._rendezvous = ray.remote(num_cpus=0)(Rendezvous).options(
+        self._rendezvous: Any = ray.remote(num_cpus=0)(Rendezvous).options(
             name=scheme.connection_info_name
         ).remote()
 
@@ -154,8 +154,10 @@ class RayWeightSender(WeightSender):
             return self.wait_async(timeout)
 
     def _take_announcements(self) -> None:
-        announced = self._ray.get(self._rendezvous.take_announcements.remote(),
-                                  timeout=self.scheme.timeout)
+        announced: dict[int, Any] = self._ray.get(
+            self._rendezvous.take_announcements.remote(),  # type: ignore[attr-defined]
+            timeout=self.scheme.timeout,
+        )
         for idx, handle in announced.items():
             logger.info("worker %d announced a (new) actor; it joins at the next send", idx)
             self._handles[idx] = handle
@@ -207,7 +209,7 @@ class RayWeightSender(WeightSender):
             timeout_s=min(self.scheme.timeout, deadline.remaining() or self.scheme.timeout),
         )
         layout = self._layout.to_dict()
-        self._ray.get(self._rendezvous.set_group.remote(asdict(info), layout),
+        self._ray.get(self._rendezvous.set_group.remote(asdict(info), layout),  # type: ignore[attr-defined]
                       timeout=deadline.remaining())
         refs = {w: h._weightsync_join.remote(asdict(info), layout) for w, h in candidates.items()}
         try:
@@ -376,7 +378,7 @@ class RayWeightSender(WeightSender):
             self._group = None
         self._store = None
         with contextlib.suppress(Exception):
-            self._ray.kill(self._rendezvous)
+            self._ray.kill(self._rendezvous)  # type: ignore[arg-type]
 
 
 class RayWeightReceiver(WeightReceiver):

@@ -27,7 +27,7 @@ from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelT
 
 def as_bytes(buffer: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU uint8 tensor."""
-    return memoryview(buffer.numpy()).cast("B")
+    return memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 class Snapshot:

@@ -77,7 +77,9 @@ class WeightGroup:
         self.store = store
         prefixed = dist.PrefixStore(f"weightsync/gen{info.generation}", store)
         if info.backend == "nccl":
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, info.world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, info.world_size, options)
         elif info.backend == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, rank, info.world_size, timeout)
         else:
@@ -229,6 +231,8 @@ class RayTransport:
 
         self.worker_idx = worker_idx
         rendezvous = ray.get_actor(self.connection_info_name)
+        info: dict[str, Any]
+        layout_dict: dict[str, Any]
         info, layout_dict = ray.get(rendezvous.group_info.remote())
         self.join(GroupInfo(**info), Layout.from_dict(layout_dict))
         return self.receive_weights(model=model, weights=weights, strategy=strategy)
