@@ -64,6 +64,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _available_transports() -> list[str]:
+    import importlib.util
+
+    ray = ["ray"] if importlib.util.find_spec("ray") is not None else []
+    return ["shm", "mp", *ray, "file"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -82,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="time send() against one memcpy of the same bytes")
-    bench.add_argument("--transports", nargs="+", default=["shm", "mp", "ray", "file"],
-                       choices=["shm", "mp", "ray", "file"])
+    bench.add_argument("--transports", nargs="+", default=_available_transports(),
+                       choices=["shm", "mp", "ray", "file"],
+                       help="default: every transport available here (ray if installed)")
     bench.add_argument("--disk-dir", default=".", help="a directory on local disk (file transport)")
     bench.add_argument("--sizes", nargs="+", default=["1MB", "400MB"], choices=["1MB", "400MB"])
     bench.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])

@@ -222,7 +222,8 @@ def test_receiver_whose_trainer_died_gets_an_error_not_a_hang(scheme_cls, worker
         receiver = scheme.create_receiver(0)
         model = make_model()
         receiver.register_model(model)
-        assert receiver.connect(timeout=30) == 0
+        # the trainer may already have moved on: connect applies the newest version
+        assert receiver.connect(timeout=30) in (0, 1, 2)
         assert drain(workers.out, 1)[0] == ("trainer-ready", 2)
         assert receiver.receive(timeout=5) == 2 or receiver.version == 2
         trainer.kill()
