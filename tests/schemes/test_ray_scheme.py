@@ -87,6 +87,25 @@ def test_versions_snapshot_and_isolation(actors):
     assert ray.get([a.default_group_initialised.remote() for a in group]) == [False, False]
 
 
+def test_actors_created_after_the_sender_are_discovered(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+    model = make_model()
+    with scheme.create_sender() as sender:  # API.md's order: sender first, then the workers
+        sender.register_model(model)
+        group = actors(scheme, 2)
+        assert sender.connect(timeout=60) == 0
+        assert states(group) == [(0, checksum(model))] * 2
+
+
+def test_connect_names_workers_that_never_appear(ray_cluster):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+    with scheme.create_sender() as sender:
+        sender.register_model(make_model())
+        with pytest.raises(ws.WeightSyncTimeoutError) as info:
+            sender.connect(timeout=1)
+        assert info.value.worker_ids == (0, 1)
+
+
 def test_receiver_learns_its_sender_is_gone(actors):
     scheme = ws.RayWeightSyncScheme(num_workers=1, timeout=30)
     group = actors(scheme, 1)

@@ -253,12 +253,21 @@ class RayWeightSender(WeightSender):
         return self._table.lag()
 
     def connect(self, timeout: float | None = None) -> int:
-        """Check every actor's layout, build the group, and deliver version 0."""
+        """Wait until every worker's actor is known (handed over, or announced by actors set
+        up after the sender), check their layouts, build the group, deliver version 0."""
         deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
-        missing = [w for w in range(self.scheme.num_workers) if w not in self._handles]
-        if missing:
-            raise ValueError(f"no actor handle for worker(s) {missing}: pass them to "
-                             "create_sender(workers) or register_workers()")
+        while True:  # actors set up with the scheme after the sender announce themselves
+            self._take_announcements()
+            missing = [w for w in range(self.scheme.num_workers) if w not in self._handles]
+            if not missing:
+                break
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"no actor for worker(s) {missing} within {deadline.timeout}s: pass the "
+                    "handles to create_sender(workers) or register_workers(), or create the "
+                    "actors (weightsync_setup) after the sender", worker_ids=missing,
+                )
+            time.sleep(deadline.slice(0.05))
         if self._layout is None:
             self._weights_to_send(None)
         self._check_layouts(self._handles, deadline)
