@@ -35,6 +35,7 @@ from weightsync.transports.directory import (
     ack_path,
     bucket_checksums,
     check_layout_matches,
+    close_slots,
     file_layout,
     pack_with_checksums,
     read_json,
@@ -302,13 +303,10 @@ class VLLMDoubleBufferWeightSender(WeightSender):
         return version
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for slot in self._slots.values():
-            slot.close()
-        self._slots.clear()
-        self._lock.release()
+        if not self._closed:
+            self._closed = True
+            close_slots(self._slots)
+            self._lock.release()
 
 
 class VLLMDoubleBufferWeightReceiver(WeightReceiver):
@@ -449,9 +447,6 @@ class VLLMDoubleBufferWeightReceiver(WeightReceiver):
             time.sleep(deadline.slice(self.scheme.poll_interval))
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for slot in self._slots.values():
-            slot.close()
-        self._slots.clear()
+        if not self._closed:
+            self._closed = True
+            close_slots(self._slots)

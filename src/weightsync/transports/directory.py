@@ -262,6 +262,13 @@ class SlotFile:
             os.close(self.fd)
 
 
+def close_slots(slots: dict[int, SlotFile]) -> None:
+    """Unmap and close every slot of ``slots`` and forget them."""
+    for slot in slots.values():
+        slot.close()
+    slots.clear()
+
+
 def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
     """Write a temp file, fsync it, rename it over ``path``, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
