@@ -121,8 +121,9 @@ def reinforce_loss(policy: torch.nn.Module, episodes: list[dict[str, Any]], gamm
         returns.append(torch.tensor(out[::-1]))
     advantages = torch.cat(returns)
     advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    logp = torch.log_softmax(policy(obs), dim=-1).gather(1, actions[:, None]).squeeze(1)
-    entropy = -(torch.softmax(policy(obs), -1) * torch.log_softmax(policy(obs), -1)).sum(-1)
+    log_probs = torch.log_softmax(policy(obs), dim=-1)  # one forward pass for both terms
+    logp = log_probs.gather(1, actions[:, None]).squeeze(1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
     return -(logp * advantages).mean() - 0.01 * entropy.mean()
 
 

@@ -48,10 +48,7 @@ class SharedMemWeightSender(LocalSender):
         self, flat: Mapping[str, torch.Tensor], targets: list[int], version: int,
         deadline: Deadline,
     ) -> None:
-        self.transport.send_weights(
-            DEFAULT_MODEL_ID, flat, worker_ids=targets, version=version,
-            timeout=deadline.remaining(),
-        )
+        self.transport.publish(DEFAULT_MODEL_ID, flat, targets, version, deadline.remaining())
 
     def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
         """Publishing delivered the version; wake only the workers blocked in receive()."""

@@ -253,15 +253,17 @@ class SharedMemTransport:
         with self._lock:
             if model_id in self._models:
                 raise ValueError(f"model {model_id!r} is already registered")
-            num_workers = max(len(self._channels), 1)
-            max_slots = self._max_slots or num_workers + 2
-            model = _SenderModel(Layout.from_weights(flat), max(2, max_slots))
-            model.new_slot()
-            model.new_slot()
-            self._models[model_id] = model
-            for channel in self._channels.values():
-                self._announce(model_id, model, channel)
-            self._write(model_id, model, flat, list(self._channels), model.version + 1, None)
+            self.publish(model_id, flat, None, 0, None)
+
+    def _create_model(self, model_id: str, flat: Mapping[str, torch.Tensor]) -> _SenderModel:
+        max_slots = self._max_slots or max(len(self._channels), 1) + 2
+        model = _SenderModel(Layout.from_weights(flat), max(2, max_slots))
+        model.new_slot()
+        model.new_slot()
+        self._models[model_id] = model
+        for channel in self._channels.values():
+            self._announce(model_id, model, channel)
+        return model
 
     @staticmethod
     def _flatten(weights: Any) -> dict[str, torch.Tensor]:
@@ -297,22 +299,31 @@ class SharedMemTransport:
         """Publish ``weights`` as the next version of ``model_id`` to ``worker_ids`` (all
         attached workers by default) and return that version. The weights are copied now:
         later writes to them reach nobody until the next send."""
+        flat = self._flatten(weights)
         with self._lock:
-            if model_id not in self._models:
-                if not self.auto_register:
-                    raise KeyError(
-                        f"model {model_id!r} is not registered and auto_register=False; call "
-                        "register_weights first"
-                    )
-                self.register_weights(model_id, weights)
-                return self._models[model_id].version
-            model = self._models[model_id]
-            flat = self._flatten(weights)
-            model.layout.check_weights(flat, given_by=f"the weights sent for {model_id!r}")
-            ids = list(self._channels) if worker_ids is None else list(worker_ids)
-            new_version = model.version + 1 if version is None else version
-            self._write(model_id, model, flat, ids, new_version, timeout)
+            model = self._models.get(model_id)
+            if model is None and not self.auto_register:
+                raise KeyError(
+                    f"model {model_id!r} is not registered and auto_register=False; call "
+                    "register_weights first"
+                )
+            if model is not None:
+                model.layout.check_weights(flat, given_by=f"the weights sent for {model_id!r}")
+            new_version = (model.version + 1 if model else 0) if version is None else version
+            self.publish(model_id, flat, worker_ids, new_version, timeout)
             return new_version
+
+    def publish(
+        self, model_id: str, flat: Mapping[str, torch.Tensor], worker_ids: Iterable[int] | None,
+        version: int, timeout: float | None,
+    ) -> None:
+        """Write already-checked flat weights as ``version`` for ``worker_ids`` (None: every
+        attached worker), creating the model's slots on first use. The schemes call this
+        after their own validation, so a send checks its input once."""
+        with self._lock:
+            model = self._models.get(model_id) or self._create_model(model_id, flat)
+            ids = list(self._channels) if worker_ids is None else list(worker_ids)
+            self._write(model_id, model, flat, ids, version, timeout)
 
     def _write(
         self, model_id: str, model: _SenderModel, flat: Mapping[str, torch.Tensor],
