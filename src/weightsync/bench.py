@@ -75,7 +75,7 @@ def _bench_worker(scheme: Any, idx: int, nbytes: int, stop: Any, ready: Any) -> 
     receiver.connect(timeout=120)
     ready.put(idx)
     while not stop.is_set():  # a collector: a short env step, then poll() for new weights
-        time.sleep(0.001)
+        time.sleep(float(__import__("os").environ.get("POLL_S", "0.001")))
         try:
             receiver.poll()
         except Exception:  # the sender closed: the run is over
@@ -243,9 +243,12 @@ def _ray_bench_actor_class() -> Any:
     return BenchActor
 
 
-def bench_ray(nbytes: int, workers: int, repeats: int) -> dict[str, list[float]]:
+def bench_ray(
+    nbytes: int, workers: int, repeats: int, node_local: bool = True,
+) -> dict[str, list[float]]:
     """Seconds per Ray send (sender side), until every actor applied it, and per gloo
-    point-to-point transfer of the same bytes (the floor), in one local Ray instance."""
+    point-to-point transfer of the same bytes (the floor), in one local Ray instance.
+    ``node_local=False`` sends through the broadcast, as to actors on other nodes."""
     import datetime
 
     import ray
@@ -255,7 +258,7 @@ def bench_ray(nbytes: int, workers: int, repeats: int) -> dict[str, list[float]]
     from weightsync.transports.ray import GroupInfo, WeightGroup, node_address
 
     actor_cls = _ray_bench_actor_class()
-    scheme = RayWeightSyncScheme(num_workers=workers, timeout=300)
+    scheme = RayWeightSyncScheme(num_workers=workers, timeout=300, node_local=node_local)
     actors = [actor_cls.remote(scheme, i, nbytes) for i in range(workers)]
     weights = make_weights(nbytes, fill=1.0)
     times: dict[str, list[float]] = {"send": [], "applied": [], "p2p": []}
@@ -305,13 +308,14 @@ def run_ray_bench(
     rows = []
     try:
         nbytes = SIZES[size]
-        for n in worker_counts:
-            if progress:
-                progress(f"ray {size} x{n}")
-            measured = bench_ray(nbytes, n, repeats)
-            floor = statistics.median(measured.pop("p2p"))
-            rows += [make_row(f"ray {phase} (vs gloo p2p)", size, n, times, floor)
-                     for phase, times in measured.items()]
+        for path, node_local in (("node-local", True), ("broadcast", False)):
+            for n in worker_counts:
+                if progress:
+                    progress(f"ray {path} {size} x{n}")
+                measured = bench_ray(nbytes, n, repeats, node_local)
+                floor = statistics.median(measured.pop("p2p"))
+                rows += [make_row(f"ray {path} {phase} (vs gloo p2p)", size, n, times, floor)
+                         for phase, times in measured.items()]
     finally:
         if started:
             ray.shutdown()

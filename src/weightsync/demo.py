@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 SOLVED_RETURN = 475.0
@@ -110,8 +111,8 @@ def _ray_collector_class() -> Any:
 
 # ---------------------------------------------------------------------- learner
 def reinforce_loss(policy: torch.nn.Module, episodes: list[dict[str, Any]], gamma: float) -> torch.Tensor:
-    obs = torch.cat([torch.from_numpy(e["obs"]) for e in episodes])
-    actions = torch.cat([torch.from_numpy(e["actions"]) for e in episodes])
+    obs = torch.cat([torch.as_tensor(np.array(e["obs"])) for e in episodes])
+    actions = torch.cat([torch.as_tensor(np.array(e["actions"])) for e in episodes])
     returns = []
     for e in episodes:
         ret, out = 0.0, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import time
@@ -59,18 +60,32 @@ def actors(ray_cluster):
         ray.kill(actor)
 
 
+@pytest.fixture(params=[True, False], ids=["node-local", "broadcast"])
+def node_local(request):
+    """Both data paths: co-located actors copying from shared memory, and the broadcast
+    every actor on another node takes (forced here, on one node, with node_local=False)."""
+    return request.param
+
+
+def group_world_size(scheme):
+    info, _layout = ray.get(ray.get_actor(scheme.connection_info_name).group_info.remote())
+    return info["world_size"]
+
+
 def states(group):
     return ray.get([a.state.remote() for a in group], timeout=30)
 
 
-def test_versions_snapshot_and_isolation(actors):
-    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+def test_versions_snapshot_and_isolation(actors, node_local):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, node_local=node_local)
     group = actors(scheme, 2)
     model = make_model()
     with scheme.create_sender(group) as sender:
         sender.register_model(model)
         assert sender.connect(timeout=60) == 0
         assert states(group) == [(0, checksum(model))] * 2
+        # on one node, node-local actors take no part in the broadcast group
+        assert group_world_size(scheme) == (1 if node_local else 3)
         fill_all(model, 1.0)
         sender.send_async()
         fill_all(model, 99.0)  # optimizer writes while the send is in flight
@@ -129,8 +144,8 @@ def test_layout_mismatch_fails_at_connect(actors):
         assert info.value.key is not None and info.value.key in str(info.value)
 
 
-def test_tear_free_hammer_with_threaded_actors(actors):
-    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
+def test_tear_free_hammer_with_threaded_actors(actors, node_local):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, node_local=node_local)
     group = actors(scheme, 2, width=64, max_concurrency=2)
     model = make_model(64)
     fill_all(model, 0.0)
@@ -146,10 +161,10 @@ def test_tear_free_hammer_with_threaded_actors(actors):
             assert reads >= 1000 and applied >= 2 and final == 100
 
 
-def test_killed_actor_raises_then_survivors_and_replacement(actors):
+def test_killed_actor_raises_then_survivors_and_replacement(actors, node_local):
     from ray_actors import Collector
 
-    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=20)
+    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=20, node_local=node_local)
     group = actors(scheme, 3)
     model = make_model()
     with scheme.create_sender(group) as sender:
@@ -179,8 +194,8 @@ def test_killed_actor_raises_then_survivors_and_replacement(actors):
         ray.kill(other)
 
 
-def test_actor_killed_during_send(actors):
-    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=20)
+def test_actor_killed_during_send(actors, node_local):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=20, node_local=node_local)
     group = actors(scheme, 2, width=1024)
     model = make_model(1024)
     with scheme.create_sender(group) as sender:
@@ -214,6 +229,20 @@ def test_trainer_in_an_actor(actors, ray_cluster):
     assert version == 3
     assert states(group) == [(3, total)] * 2
     ray.kill(trainer)
+
+
+def test_node_local_probe_needs_its_node_its_process_and_its_token(ray_cluster):
+    from weightsync.transports.ray import NodeLocalSender, probe_node_local
+
+    local = NodeLocalSender(max_slots=2)
+    try:
+        assert probe_node_local(local.info)
+        forged = dataclasses.replace(local.info, token="00" * 16)
+        assert not probe_node_local(forged)  # another file behind that fd number
+        assert not probe_node_local(dataclasses.replace(local.info, node_id="another-node"))
+        assert not probe_node_local(dataclasses.replace(local.info, pid=2**22 + 7))
+    finally:
+        local.close()
 
 
 def test_seed_ray_transport_contract():

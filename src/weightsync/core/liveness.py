@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 _PF_EXITING = 0x4  # task flag set as soon as a process starts to exit
 _SIGKILL_BIT = 1 << 8
+
+
+def _stat_says_dying(stat: bytes) -> bool:
+    """Parse a /proc/<pid>/stat line: zombie, exiting, or SIGKILL pending."""
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:  # fields[0] is field 3 (state): flags is field 9, pending signals field 31
+        return (
+            fields[0] in (b"Z", b"X")
+            or int(fields[6]) & _PF_EXITING != 0
+            or int(fields[28]) & _SIGKILL_BIT != 0
+        )
+    except (IndexError, ValueError):
+        return False
 
 
 def process_dying(pid: int) -> bool:
@@ -21,14 +35,48 @@ def process_dying(pid: int) -> bool:
         return False
     try:
         stat = os.read(fd, 4096)
+    except ProcessLookupError:
+        return True
     finally:
         os.close(fd)
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:  # fields[0] is field 3 (state): flags is field 9, pending signals field 31
-        return (
-            fields[0] in (b"Z", b"X")
-            or int(fields[6]) & _PF_EXITING != 0
-            or int(fields[28]) & _SIGKILL_BIT != 0
-        )
-    except (IndexError, ValueError):
-        return False
+    return _stat_says_dying(stat)
+
+
+class ProcessWatch:
+    """:func:`process_dying` for one process through a descriptor held open: each check is
+    one ``pread`` (no path lookup), and the descriptor stays bound to that very process,
+    so a reused pid can never pass for it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None = None
+        self._gone = False
+        try:
+            self._fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        except FileNotFoundError:
+            self._gone = True
+        except OSError:  # no /proc here: fall back to the socket's hang-up alone
+            pass
+
+    def dying(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd is None:
+            return False
+        try:
+            stat = os.pread(self._fd, 4096, 0)
+        except ProcessLookupError:  # reaped
+            self._gone = True
+            return True
+        except OSError:
+            return False
+        return _stat_says_dying(stat)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()

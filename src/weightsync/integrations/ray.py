@@ -52,8 +52,13 @@ class RayWeightReceiverMixin:
     def _weightsync_check(self, layout: dict[str, Any]) -> None:
         self.weightsync_receiver.check_layout(layout)
 
+    def _weightsync_attach(self, node_local: dict[str, Any]) -> bool:
+        return self.weightsync_receiver.attach_local(node_local)
+
     def _weightsync_join(self, info: dict[str, Any], layout: dict[str, Any]) -> None:
         self.weightsync_receiver.join(info, layout)
 
-    def _weightsync_receive(self, version: int, keep: bool) -> int:
-        return self.weightsync_receiver.take(version, keep)
+    def _weightsync_receive(
+        self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None
+    ) -> int:
+        return self.weightsync_receiver.take(version, keep, messages)

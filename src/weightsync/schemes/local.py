@@ -31,7 +31,7 @@ from weightsync.core.errors import (
     WeightSyncTimeoutError,
 )
 from weightsync.core.layout import Layout
-from weightsync.core.liveness import process_dying
+from weightsync.core.liveness import ProcessWatch
 from weightsync.core.stats import SendRecord
 from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION, VersionTable
@@ -43,6 +43,7 @@ from weightsync.transports.local_channel import (
     ChannelTimeout,
     Message,
     connect_channel,
+    hung_up,
     new_address,
 )
 
@@ -95,6 +96,7 @@ class LocalSender(WeightSender):
         self._membership = threading.RLock()
         self._channels: dict[int, Channel] = {}
         self._why: dict[int, str] = {}
+        self._watches: dict[int, ProcessWatch] = {}
         self._reported: set[int] = set()
         self._pending: _PendingSend | None = None
         self._listener = ChannelListener(scheme.address)
@@ -192,6 +194,7 @@ class LocalSender(WeightSender):
             self._why.pop(idx, None)
             self._reported.discard(idx)
             self._channels[idx] = channel
+            self._watch(idx, hello.get("pid"))
             self._cond.notify_all()
         try:
             channel.send({"t": "welcome", "worker_idx": idx}, timeout=5.0)
@@ -251,6 +254,7 @@ class LocalSender(WeightSender):
             if self._channels.get(idx) is not channel:
                 return
             del self._channels[idx]
+            self._watch(idx, None)
             state = self._table.workers[idx]
             state.connected, state.lost = False, True
             self._why[idx] = why
@@ -413,17 +417,27 @@ class LocalSender(WeightSender):
                     )
                 self._cond.wait(deadline.slice(_HUB_TICK))
 
+    def _watch(self, idx: int, pid: Any) -> None:
+        """Start (or, with no pid, stop) watching worker ``idx``'s process; under _cond."""
+        old = self._watches.pop(idx, None)
+        if old is not None:
+            old.close()
+        if isinstance(pid, int):
+            self._watches[idx] = ProcessWatch(pid)
+
     def _drop_dead(self, worker_ids: list[int]) -> None:
         """Mark lost the workers whose socket hung up or whose process is dead or being
-        killed, so a send without acks still reports them (and never targets them)."""
+        killed, so a send without acks still reports them (and never targets them).
+        One ``poll`` for all sockets and one ``pread`` per worker: cheap on every send."""
         with self._cond:
-            candidates = [(w, self._channels[w], self._table.workers[w].pid)
+            candidates = [(w, self._channels[w], self._watches.get(w))
                           for w in worker_ids if w in self._channels]
-        for w, channel, pid in candidates:
-            if channel.peer_closed():
+        closed = hung_up([channel for _, channel, _ in candidates])
+        for w, channel, watch in candidates:
+            if channel in closed:
                 self._mark_lost(w, channel, "connection closed; did the process die?")
-            elif pid is not None and process_dying(int(pid)):
-                self._mark_lost(w, channel, f"process {pid} is dead or being killed")
+            elif watch is not None and watch.dying():
+                self._mark_lost(w, channel, f"process {watch.pid} is dead or being killed")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -451,6 +465,8 @@ class LocalSender(WeightSender):
         with self._cond:
             channels = list(self._channels.values())
             self._channels.clear()
+            for idx in list(self._watches):
+                self._watch(idx, None)
         for channel in channels:
             with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
                 channel.send({"t": "close"}, timeout=0.5)
@@ -532,10 +548,15 @@ class LocalReceiver(WeightReceiver):
 
     def _applied(self, version: int) -> int:
         self._version = version
-        if not self._ack_on_delivery and self._channel is not None:
+        if not self._ack_on_delivery:
+            self._confirm_applied(version)
+        return version
+
+    def _confirm_applied(self, version: int) -> None:
+        """Tell the sender which version this worker now holds (for ``worker_lag``)."""
+        if self._channel is not None:
             with contextlib.suppress(ChannelClosed, ChannelTimeout):
                 self._channel.send({"t": "ack", "v": version}, timeout=1.0)
-        return version
 
     def _set_sender_lost(self, why: str) -> None:
         with self._cond:

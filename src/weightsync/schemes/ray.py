@@ -3,7 +3,9 @@
 The trainer drives: it checks every actor's layout, builds the library's own
 torch.distributed group (rendezvous published in a named Ray actor, at the node address
 Ray reports), and for each send signals the actors through Ray and broadcasts the packed
-buckets once for all of them. Actors stage what arrives and apply it at ``poll()``. When an
+buckets once for all of them. Actors on the trainer's own node copy the packed snapshot out
+of shared memory instead (``node_local``). Actors stage what arrives and apply it at
+``poll()``. When an
 actor dies, the send raises :class:`WorkerLostError`, and the next send rebuilds the group
 from the survivors and from any replacement that announced itself.
 """
@@ -36,6 +38,8 @@ from weightsync.core.versions import NO_VERSION, VersionTable
 from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme
 from weightsync.transports.ray import (
     GroupInfo,
+    NodeLocalInfo,
+    NodeLocalSender,
     RayTransport,
     WeightGroup,
     bucket_buffers,
@@ -70,7 +74,11 @@ class Rendezvous:
 class RayWeightSyncScheme(WeightSyncScheme):
     """Sync to ``num_workers`` Ray actors; ``backend`` is ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
 
-    ``connection_info_name`` names the rendezvous actor (unique per scheme by default)."""
+    ``connection_info_name`` names the rendezvous actor (unique per scheme by default).
+    ``node_local`` (gloo, CPU weights): the trainer writes each version once into shared
+    memory, and actors on its node copy it from there at ``poll()`` instead of taking it
+    over loopback TCP; actors elsewhere (or that cannot open it) get the broadcast.
+    ``False`` sends every byte through the group."""
 
     def __init__(
         self,
@@ -80,6 +88,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         timeout: float = 60.0,
         connection_info_name: str | None = None,
         strategy: WeightStrategy | None = None,
+        node_local: bool = True,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
         if backend not in ("gloo", "nccl"):
@@ -89,6 +98,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         self.num_workers = num_workers
         self.backend = backend
         self.connection_info_name = connection_info_name or f"weightsync-{uuid.uuid4().hex[:12]}"
+        self.node_local = bool(node_local)
 
     def create_sender(self, workers: Sequence[Any] | Mapping[int, Any] | None = None) -> RayWeightSender:
         """The trainer's end; ``workers`` are the actor handles, by worker index."""
@@ -125,6 +135,8 @@ class RayWeightSender(WeightSender):
         self._store: Any = None
         self._address = node_address()
         self._buffers: dict[str, torch.Tensor] | None = None
+        self._local: NodeLocalSender | None = None
+        self._local_handles: dict[int, Any] = {}  # the actor each node-local worker is
         self._pending: tuple[int, list[int], dict[int, Any], float, dict[int, str]] | None = None
         self._lock = threading.RLock()
         self._rendezvous: Any = ray.remote(num_cpus=0)(Rendezvous).options(
@@ -192,6 +204,10 @@ class RayWeightSender(WeightSender):
         self._check_layouts_tolerant(candidates, lost, deadline)
         for w in lost:
             candidates.pop(w, None)
+        local = self._attach_local(candidates, lost, deadline)
+        for w in lost:
+            candidates.pop(w, None)
+        remote = [w for w in candidates if w not in local]
         if self._store is None:
             import datetime
 
@@ -203,9 +219,9 @@ class RayWeightSender(WeightSender):
             )
         self._generation += 1
         info = GroupInfo(
-            address=self._address, port=int(self._store.port), world_size=len(candidates) + 1,
+            address=self._address, port=int(self._store.port), world_size=len(remote) + 1,
             generation=self._generation, backend=self.scheme.backend,
-            ranks={w: r + 1 for r, w in enumerate(candidates)},
+            ranks={w: r + 1 for r, w in enumerate(remote)},
             timeout_s=min(self.scheme.timeout, deadline.remaining() or self.scheme.timeout),
         )
         layout = self._layout.to_dict()
@@ -234,6 +250,33 @@ class RayWeightSender(WeightSender):
             state = self._table.workers[w]
             state.connected, state.lost = True, False
         return lost
+
+    def _attach_local(
+        self, handles: Mapping[int, Any], lost: dict[int, str], deadline: Deadline
+    ) -> set[int]:
+        """Offer the node-local path to every actor; returns those on this node that can open
+        the shared segments, which take versions from there instead of the broadcast."""
+        if self._local is None:
+            return set()
+        info = asdict(self._local.info)
+        refs = {w: h._weightsync_attach.remote(info) for w, h in handles.items()}
+        local = set()
+        for w, ref in refs.items():
+            try:
+                if self._ray.get(ref, timeout=deadline.remaining()):
+                    local.add(w)
+                    if self._local_handles.get(w) is not handles[w]:  # a new actor
+                        self._local.detach(w)
+                    self._local.attach(w)
+                    self._local_handles[w] = handles[w]
+                else:
+                    self._local.detach(w)
+            except self._ray.exceptions.RayActorError as exc:
+                lost[w] = f"actor died: {type(exc).__name__}"
+                self._local.detach(w)
+        if local:
+            logger.info("worker(s) %s share this node: they copy from shared memory", sorted(local))
+        return local
 
     def _check_layouts_tolerant(
         self, handles: Mapping[int, Any], lost: dict[int, str], deadline: Deadline
@@ -300,26 +343,43 @@ class RayWeightSender(WeightSender):
         assert self._layout is not None
         t0 = time.perf_counter()
         with self._lock:
-            if self._buffers is None:
+            if self._buffers is None and self._local is None:
                 device = "cuda" if self.scheme.backend == "nccl" else "cpu"
                 self._layout_on_wire = self._layout.on_device(
                     f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
-                self._buffers = self._layout_on_wire.allocate()
-            if flat is not None:
-                self._layout_on_wire.pack(flat, self._buffers)  # the snapshot
-            if self.scheme.backend == "nccl":
-                torch.cuda.synchronize()
-            pack_s = time.perf_counter() - t0
+                if self.scheme.node_local and set(self._layout.nbytes_by_device) == {"cpu"} \
+                        and device == "cpu":
+                    self._local = NodeLocalSender(max_slots=self.scheme.num_workers + 2)
+                else:
+                    self._buffers = self._layout_on_wire.allocate()
             lost: dict[int, str] = {}
             if self._group is None:
                 lost.update(self._build_group(deadline))
             version = self.version if resend else self.version + 1
-            refs = {w: h._weightsync_receive.remote(version, w in named)
+            t_pack = time.perf_counter()
+            if self._local is not None:  # one write into shared memory: the snapshot
+                local_named = [w for w in named if w in self._local.workers]
+                if flat is not None:
+                    self._local.publish(flat, local_named, version, deadline.remaining())
+                else:
+                    self._local.point_at_latest(local_named)
+                buffers = self._local.latest_buffers()
+            else:
+                assert self._buffers is not None
+                if flat is not None:
+                    self._layout_on_wire.pack(flat, self._buffers)  # the snapshot
+                buffers = self._buffers
+            if self.scheme.backend == "nccl":
+                torch.cuda.synchronize()
+            pack_s = time.perf_counter() - t_pack
+            local = self._local
+            refs = {w: h._weightsync_receive.remote(
+                        version, w in named, local.messages_for(w) if local is not None else None)
                     for w, h in self._members.items()}
             t1 = time.perf_counter()
             assert self._group is not None
             try:
-                self._group.broadcast(bucket_buffers(self._layout_on_wire, self._buffers))
+                self._group.broadcast(bucket_buffers(self._layout_on_wire, buffers))
             except RuntimeError as exc:
                 logger.warning("broadcast of version %d failed: %s", version, exc)
                 self._group = None  # broken: rebuilt from the survivors at the next send
@@ -348,6 +408,8 @@ class RayWeightSender(WeightSender):
                 slow.append(w)
             except self._ray.exceptions.RayActorError as exc:
                 lost[w] = f"actor died: {type(exc).__name__}"
+                if self._local is not None:
+                    self._local.detach(w)
                 self._members.pop(w, None)
                 self._handles.pop(w, None)
                 self._table.workers[w].lost = True
@@ -386,6 +448,9 @@ class RayWeightSender(WeightSender):
             self._group.close()
             self._group = None
         self._store = None
+        if self._local is not None:
+            self._local.close()  # actors that mapped its segments keep them until they close
+            self._local = None
         with contextlib.suppress(Exception):
             self._ray.kill(self._rendezvous)  # type: ignore[arg-type]
 
@@ -411,19 +476,36 @@ class RayWeightReceiver(WeightReceiver):
             Layout.from_weights(self._destination()), other_name=f"worker {self.worker_idx}"
         )
 
+    def attach_local(self, info: dict[str, Any]) -> bool:
+        """Take versions from the sender's shared memory if this actor is on the sender's
+        node (see ``node_local``); True if so."""
+        return self.transport.attach_local(NodeLocalInfo(**info))
+
     def join(self, info: dict[str, Any], layout: dict[str, Any]) -> None:
-        self.transport.join(GroupInfo(**info), Layout.from_dict(layout))
+        group = GroupInfo(**info)
+        if self.worker_idx in group.ranks:
+            self.transport.detach_local()  # a member of the broadcast this generation
+        self.transport.join(group, Layout.from_dict(layout))
         assert self.transport.layout is not None
-        if self._staging is None or self._staging.layout != self.transport.layout:
+        if self.transport.local is not None:
+            self._staging = None  # poll() copies straight out of the sender's slots
+        elif self._staging is None or self._staging.layout != self.transport.layout:
             self._staging = StagingBuffers(self.transport.layout)
 
-    def take(self, version: int, keep: bool) -> int:
-        """Take part in the broadcast of ``version``; stage it if it is for us."""
-        if self._staging is None or self.transport.group is None:
+    def take(self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None) -> int:
+        """Take part in the delivery of ``version``: on the sender's node, open any new
+        segments it names (the version already waits in shared memory); else take the
+        broadcast and stage it if the version is for us."""
+        if not self.transport.joined:
             raise RuntimeError(f"worker {self.worker_idx} has not joined the group")
-        group, layout = self.transport.group, self.transport.layout
-        assert layout is not None
-        self._staging.fill(version, lambda b: group.broadcast(bucket_buffers(layout, b)), keep)
+        local = self.transport.local
+        if local is not None:
+            local.take_messages(messages or [])
+        else:
+            group, layout = self.transport.group, self.transport.layout
+            assert self._staging is not None and group is not None and layout is not None
+            self._staging.fill(version, lambda b: group.broadcast(bucket_buffers(layout, b)),
+                               keep)
         with self._arrived:
             self._arrived.notify_all()
         return version if keep else self._version
@@ -458,7 +540,9 @@ class RayWeightReceiver(WeightReceiver):
         """Apply the newest staged version; with nothing new, check (about once a second)
         that the sender still lives: its rendezvous actor dies with it."""
         applied = None
-        if self._staging is not None:
+        if self.transport.local is not None:
+            applied = self.transport.local.apply(self._destination(), self._version)
+        elif self._staging is not None:
             applied = self._staging.apply(self._destination(), self._version)
         if applied is not None:
             self._version = applied
@@ -468,7 +552,7 @@ class RayWeightReceiver(WeightReceiver):
 
     def _check_sender(self) -> None:
         now = time.monotonic()
-        if self.transport.group is None or now - self._sender_checked < 1.0:
+        if not self.transport.joined or now - self._sender_checked < 1.0:
             return  # not joined yet: there may be no sender so far
         self._sender_checked = now
         import ray

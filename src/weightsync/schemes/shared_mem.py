@@ -38,6 +38,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
 
 class SharedMemWeightSender(LocalSender):
     _delivery_needs_ack = False  # a published slot is delivered: the next poll() takes it
+
     def __init__(self, scheme: SharedMemWeightSyncScheme) -> None:
         self.transport = SharedMemTransport(
             auto_register=True, max_slots=scheme.max_slots or scheme.num_workers + 2
@@ -62,6 +63,14 @@ class SharedMemWeightSender(LocalSender):
                 lost[w] = f"could not be notified: {exc}"
         return lost
 
+    def worker_lag(self) -> dict[int, int]:
+        """Lag from the versions the workers wrote into shared memory as they applied."""
+        with self._cond:
+            for idx, state in self._table.workers.items():
+                if state.connected:
+                    state.version = max(state.version, self.transport.applied_version(idx))
+            return self._table.lag()
+
     def _on_join(self, worker_idx: int, channel: Channel) -> None:
         self.transport.attach_worker(worker_idx, channel)
 
@@ -74,6 +83,7 @@ class SharedMemWeightSender(LocalSender):
 
 class SharedMemWeightReceiver(LocalReceiver):
     _ack_on_delivery = False
+
     def __init__(self, scheme: SharedMemWeightSyncScheme, worker_idx: int) -> None:
         super().__init__(scheme, worker_idx)
         self.transport = SharedMemTransport()
@@ -95,6 +105,9 @@ class SharedMemWeightReceiver(LocalReceiver):
 
     def _apply_newest(self, dest: dict[str, torch.Tensor], deadline: Deadline) -> int | None:
         return self.transport.apply_latest(self.worker_idx, dest, self._version, deadline)
+
+    def _confirm_applied(self, version: int) -> None:
+        """Nothing to send: ``apply_latest`` wrote the version into the control block."""
 
     def _wait_for_delivery(self, deadline: Deadline, what: str) -> None:
         # raise the flag first, then look: a version published after the look is noticed

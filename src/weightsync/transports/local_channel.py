@@ -33,6 +33,7 @@ _PREFIX = struct.Struct("!IQ")  # header length, payload length
 _MAX_HEADER = 64 * 1024 * 1024
 _MAX_FDS = 64
 _SOCKET_BUFFER = 4 * 1024 * 1024
+_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
 class ChannelClosed(ConnectionError):
@@ -70,6 +71,23 @@ def _tune(sock: socket.socket) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+
+
+def hung_up(channels: Sequence[Channel]) -> list[Channel]:
+    """The channels whose peer hung up (or errored), found with a single ``poll``."""
+    poller = select.poll()
+    by_fd = {}
+    for channel in channels:
+        if channel.closed:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            poller.register(channel.fileno(), _HANGUP)
+            by_fd[channel.fileno()] = channel
+    found = [channel for channel in channels if channel.closed]
+    for fd, events in poller.poll(0):
+        if events & _HANGUP:
+            found.append(by_fd[fd])
+    return found
 
 
 class Channel:

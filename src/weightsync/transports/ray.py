@@ -5,6 +5,12 @@ The group is weightsync's own: a ``ProcessGroupGloo`` (or NCCL) built directly o
 is the sender; worker ``i`` is rank ``i + 1`` (seed 003) unless the group was rebuilt
 without some workers, in which case the rendezvous info maps worker indices to ranks.
 Weights cross as packed buckets, one ``broadcast`` per bucket for all workers.
+
+Actors on the sender's own node skip the network: the sender writes each version once into
+shared memory (a :class:`SharedMemTransport` slot) and each co-located actor opens those
+segments through ``/proc/<pid>/fd`` and copies its version out at ``poll()``, the way NCCL
+and Ray's object store use shared memory within a node. Only actors that cannot open them
+(another node, another user) join the group.
 """
 
 from __future__ import annotations
@@ -12,17 +18,24 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
+import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local_channel import Message
+from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
+from weightsync.transports.shared_memory import Segment
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +75,148 @@ def node_address() -> str:
         if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
             return str(node["NodeManagerAddress"])
     return str(ray.util.get_node_ip_address())
+
+
+_TOKEN_BYTES = 16
+
+
+def current_node_id() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+@dataclass
+class NodeLocalInfo:
+    """How an actor finds out whether it shares the sender's node and may open the sender's
+    segments (plain data: crosses Ray): a probe segment holding a token, at ``fd`` in the
+    sender process ``pid``."""
+
+    node_id: str
+    pid: int
+    fd: int
+    token: str
+
+
+def _open_foreign_fd(pid: int, fd: int) -> int:
+    """Open the file behind another process's descriptor (same host and user) via /proc."""
+    return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def probe_node_local(info: NodeLocalInfo) -> bool:
+    """True if this process runs on the sender's node and can open its segments."""
+    if info.node_id != current_node_id():
+        return False
+    try:
+        fd = _open_foreign_fd(info.pid, info.fd)
+    except OSError as exc:
+        logger.info("cannot open the sender's segments (%s); using the broadcast", exc)
+        return False
+    try:
+        return os.pread(fd, _TOKEN_BYTES, 0).hex() == info.token
+    finally:
+        os.close(fd)
+
+
+class _Outbox:
+    """Stands in for a worker's channel in a :class:`SharedMemTransport`: keeps the segment
+    messages (fds by number) for the next Ray call to carry to that actor."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.closed = False
+
+    def send(self, header: dict[str, Any], payload: Any = None, fds: Sequence[int] = (),
+             timeout: float | None = None) -> None:
+        self.messages.append({"header": header, "fds": list(fds)})
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.messages = self.messages, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class NodeLocalSender:
+    """The sender's path to actors on its own node: a :class:`SharedMemTransport` (slot pool,
+    per-worker targets, tear-free reads under slot locks) whose segments the actors open
+    through ``/proc/<pid>/fd``. A send writes one slot whatever the number of actors."""
+
+    def __init__(self, max_slots: int) -> None:
+        self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
+        self._probe = Segment.create(_TOKEN_BYTES)
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        os.pwrite(self._probe.fd, token, 0)
+        self.info = NodeLocalInfo(current_node_id(), os.getpid(), self._probe.fd, token.hex())
+        self._outboxes: dict[int, _Outbox] = {}
+
+    @property
+    def workers(self) -> set[int]:
+        return set(self._outboxes)
+
+    def attach(self, worker_idx: int) -> None:
+        if worker_idx not in self._outboxes:
+            self._outboxes[worker_idx] = outbox = _Outbox()
+            self.transport.attach_worker(worker_idx, outbox, at_latest=False)  # type: ignore[arg-type]
+
+    def detach(self, worker_idx: int) -> None:
+        if self._outboxes.pop(worker_idx, None) is not None:
+            self.transport.detach_worker(worker_idx)
+
+    def publish(self, flat: Mapping[str, torch.Tensor], worker_ids: Sequence[int], version: int,
+                timeout: float | None) -> None:
+        self.transport.publish(DEFAULT_MODEL_ID, flat, list(worker_ids), version, timeout)
+
+    def point_at_latest(self, worker_ids: Sequence[int]) -> None:
+        self.transport.point_at_latest(worker_ids)
+
+    def latest_buffers(self) -> dict[str, torch.Tensor]:
+        """The packed buffers of the newest version (stable until two sends later)."""
+        return self.transport.latest_buffers()
+
+    def messages_for(self, worker_idx: int) -> list[dict[str, Any]]:
+        outbox = self._outboxes.get(worker_idx)
+        return [] if outbox is None else outbox.take()
+
+    def close(self) -> None:
+        self.transport.close()
+        self._outboxes.clear()
+        self._probe.close()
+
+
+class NodeLocalReceiver:
+    """An actor's end of :class:`NodeLocalSender`: maps the segments the sender names and
+    applies the newest version it is pointed at, straight from shared memory."""
+
+    def __init__(self, worker_idx: int, sender_pid: int) -> None:
+        self.worker_idx = worker_idx
+        self.sender_pid = sender_pid
+        self.transport = SharedMemTransport()
+
+    def take_messages(self, messages: Sequence[dict[str, Any]]) -> None:
+        for message in messages:
+            fds = [_open_foreign_fd(self.sender_pid, n) for n in message["fds"]]
+            self.transport.handle_message(Message(header=message["header"], fds=fds))
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.transport.receiver_layout(DEFAULT_MODEL_ID)
+
+    def published_version(self) -> int:
+        return self.transport.published_version(self.worker_idx)
+
+    def apply(self, dest: Mapping[str, torch.Tensor], held_version: int) -> int | None:
+        """Copy the newest version for this worker into ``dest`` if newer than ours."""
+        if self.layout is None:
+            return None
+        try:
+            return self.transport.apply_latest(self.worker_idx, dest, held_version, Deadline(1.0))
+        except WeightSyncTimeoutError:  # its slot's handle has not come yet: next time
+            return None
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 class WeightGroup:
@@ -136,6 +291,7 @@ class RayTransport:
         self._model: Any = None
         self._pending: Any = None
         self._staging: dict[str, torch.Tensor] | None = None
+        self.local: NodeLocalReceiver | None = None  # on the sender's node: shared memory
         self.version = NO_VERSION
 
     # ------------------------------------------------------------------ sender side
@@ -180,12 +336,19 @@ class RayTransport:
         self._model = model
 
     def join(self, info: GroupInfo, layout: Layout) -> None:
-        """Join ``info``'s group generation (blocks until every member has joined)."""
+        """Join ``info``'s group generation (blocks until every member has joined); an actor
+        that maps the sender's snapshot is not a member and takes its bytes from there."""
         if self.group is not None:
             self.group.close()
+            self.group = None
         self.layout = layout.on_device(self._staging_device())
-        self.group = WeightGroup(info, info.rank_of(self.worker_idx))
+        if self.worker_idx in info.ranks or self.local is None:
+            self.group = WeightGroup(info, info.rank_of(self.worker_idx))
         self._staging = None
+
+    @property
+    def joined(self) -> bool:
+        return self.layout is not None and (self.group is not None or self.local is not None)
 
     def _staging_device(self) -> str:
         return f"cuda:{torch.cuda.current_device()}" if self.backend == "nccl" else "cpu"
@@ -237,7 +400,22 @@ class RayTransport:
         self.join(GroupInfo(**info), Layout.from_dict(layout_dict))
         return self.receive_weights(model=model, weights=weights, strategy=strategy)
 
+    def attach_local(self, info: NodeLocalInfo) -> bool:
+        """Take versions from the sender's shared memory if this actor is on its node."""
+        if self.local is not None and self.local.sender_pid == info.pid:
+            return True
+        self.detach_local()
+        if self.backend == "gloo" and probe_node_local(info):
+            self.local = NodeLocalReceiver(self.worker_idx, info.pid)
+        return self.local is not None
+
+    def detach_local(self) -> None:
+        if self.local is not None:
+            self.local.close()
+            self.local = None
+
     def close(self) -> None:
+        self.detach_local()
         if self.group is not None:
             with contextlib.suppress(Exception):
                 self.group.close()

@@ -41,7 +41,8 @@ _HEADER_WORDS = 8
 _IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED = 0, 1, 2
 _LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
 _WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
-_CONTROL_NBYTES = (_HEADER_WORDS + 2 * _MAX_WORKERS) * 8
+_APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
+_CONTROL_NBYTES = (_HEADER_WORDS + 3 * _MAX_WORKERS) * 8
 DEFAULT_MODEL_ID = "policy"
 
 
@@ -108,6 +109,7 @@ class _SenderModel:
         self.ctrl[_IDX_LATEST] = -1
         for w in range(_MAX_WORKERS):
             self.ctrl[_HEADER_WORDS + w] = -1
+            self.ctrl[_APPLIED_BASE + w] = NO_VERSION
         self.slots: list[_Slot] = []
         self.version = NO_VERSION
 
@@ -137,6 +139,9 @@ class _SenderModel:
 
     def set_target(self, worker_idx: int, packed: int) -> None:
         self.ctrl[_HEADER_WORDS + worker_idx] = packed
+
+    def applied(self, worker_idx: int) -> int:
+        return self.ctrl[_APPLIED_BASE + worker_idx]
 
     def close(self) -> None:
         self.ctrl[_IDX_CLOSED] = 1
@@ -225,6 +230,7 @@ class SharedMemTransport:
         with self._lock:
             self._channels[worker_idx] = channel
             for model_id, model in self._models.items():
+                model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
                 self._announce(model_id, model, channel)
                 if at_latest:
                     model.set_target(worker_idx, model.ctrl[_IDX_LATEST])
@@ -235,6 +241,7 @@ class SharedMemTransport:
             self._channels.pop(worker_idx, None)
             for model in self._models.values():
                 model.set_target(worker_idx, -1)
+                model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
 
     def _announce(self, model_id: str, model: _SenderModel, channel: Channel) -> None:
         header = {
@@ -276,6 +283,12 @@ class SharedMemTransport:
         """Sender side: is the worker blocked waiting for a version (and so needs a notice)?"""
         model = self._models.get(model_id)
         return model is not None and model.waiting(worker_idx)
+
+    def applied_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
+        """Sender side: the version the worker last applied, as it wrote it into the
+        control block (acks through shared memory wake no thread of the trainer)."""
+        model = self._models.get(model_id)
+        return NO_VERSION if model is None else model.applied(worker_idx)
 
     def set_waiting(self, worker_idx: int, waiting: bool, model_id: str = DEFAULT_MODEL_ID) -> None:
         """Receiver side: announce that this worker blocks until a notice comes."""
@@ -371,6 +384,19 @@ class SharedMemTransport:
                     f"{deadline.timeout}s: workers are still reading every slot"
                 )
             time.sleep(0.0002)
+
+    def point_at_latest(self, worker_ids: Iterable[int], model_id: str = DEFAULT_MODEL_ID) -> None:
+        """Point these workers at the newest version (a worker brought in between sends)."""
+        with self._lock:
+            model = self._models[model_id]
+            for w in worker_ids:
+                model.set_target(w, model.ctrl[_IDX_LATEST])
+
+    def latest_buffers(self, model_id: str = DEFAULT_MODEL_ID) -> dict[str, torch.Tensor]:
+        """The buffers of the newest version's slot: stable while it is the newest or a
+        worker's target, so another path (a broadcast) may send from them meanwhile."""
+        model = self._models[model_id]
+        return model.slots[_unpack_target(model.ctrl[_IDX_LATEST])[1]].buffers
 
     def check_ack(self, message: str = "updated") -> None:
         """No-op (seed 000): the scheme confirms delivery with its own acks."""
@@ -484,6 +510,7 @@ class SharedMemTransport:
                         torch.cuda.synchronize(device)
             finally:
                 _unlock(model.control.fd, index)
+            model.ctrl[_APPLIED_BASE + worker_idx] = version
             return version
 
     def setup_connection_and_weights_on_receiver(
