@@ -68,6 +68,50 @@ def memcpy_floor(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def _socket_reader(sock: Any, nbytes: int, rounds: int) -> None:
+    buffer = memoryview(bytearray(nbytes))
+    for _ in range(rounds):
+        view = buffer
+        while len(view):
+            n = sock.recv_into(view)
+            if n == 0:
+                return
+            view = view[n:]
+        sock.sendall(b"k")
+
+
+def socket_floor(nbytes: int, repeats: int = 3) -> float:
+    """Median seconds to move ``nbytes`` from this process into another one's buffer over a
+    bare Unix socket (no framing, no snapshot, no apply): MultiProcess's own floor here."""
+    import socket
+
+    from weightsync.transports.local_channel import _SOCKET_BUFFER
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in (ours, theirs):
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                end.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+    reader = mp.get_context("fork").Process(
+        target=_socket_reader, args=(theirs, nbytes, repeats + 1), daemon=True)
+    reader.start()
+    payload = memoryview(bytearray(b"\1" * nbytes))
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            ours.sendall(payload)
+            ours.recv(1)
+            times.append(time.perf_counter() - t0)
+    finally:
+        ours.close()
+        theirs.close()
+        reader.join(30)
+        if reader.is_alive():
+            reader.kill()
+    return statistics.median(times[1:])
+
+
 def _bench_worker(scheme: Any, idx: int, nbytes: int, stop: Any, ready: Any) -> None:
     torch.set_num_threads(1)
     receiver = scheme.create_receiver(worker_idx=idx)
@@ -337,6 +381,10 @@ def run_bench(
                     progress(f"{transport} {size} x{n}")
                 times = bench_local(transport, nbytes, n, repeats, floor)
                 rows.append(make_row(transport, size, n, times, floor))
+            if transport == "mp":  # what the socket alone costs, beside the same memcpy
+                floor = memcpy_floor(nbytes)
+                rows.append(make_row("mp floor: 1 bare Unix-socket transfer", size, 1,
+                                     [socket_floor(nbytes)], floor))
     return rows
 
 
