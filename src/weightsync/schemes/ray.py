@@ -3,11 +3,10 @@
 The trainer drives: it checks every actor's layout, builds the library's own
 torch.distributed group (rendezvous published in a named Ray actor, at the node address
 Ray reports), and for each send signals the actors through Ray and broadcasts the packed
-buckets once for all of them. Actors on the trainer's own node copy the packed snapshot out
-of shared memory instead (``node_local``). Actors stage what arrives and apply it at
-``poll()``. When an
-actor dies, the send raises :class:`WorkerLostError`, and the next send rebuilds the group
-from the survivors and from any replacement that announced itself.
+buckets once for all of them; actors stage what arrives and apply it at ``poll()``. Actors
+on the trainer's own node take each version out of shared memory instead (``node_local``).
+When an actor dies, the send raises :class:`WorkerLostError`, and the next send rebuilds the
+group from the survivors and from any replacement that announced itself.
 """
 
 from __future__ import annotations
