@@ -20,3 +20,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$PY" -m pip install -q -e ".[dev,demo,ray,hf]"
   touch "$stamp"
 fi
+# Heavier test-only dependencies (vLLM's CPU build, TorchRL), each installed by its own
+# script, which must be idempotent, pin what is known to work and never pull a CUDA torch.
+if [ "${WEIGHTSYNC_SKIP_TEST_EXTRAS:-0}" != "1" ]; then
+  for extra in scripts/env-*.sh; do
+    [ -f "$extra" ] && VENV="$VENV" bash "$extra"
+  done
+fi

@@ -5,6 +5,18 @@ from __future__ import annotations
 import time
 
 
+def human_duration(seconds: float) -> str:
+    """``0.00042`` -> ``"0.42 ms"``, ``3.0`` -> ``"3 s"``, ``200`` -> ``"3 min 20 s"``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
 class Deadline:
     """Turns a ``timeout`` in seconds (``None``: never) into the time left for each wait."""
 
@@ -24,6 +36,10 @@ class Deadline:
 
     def expired(self) -> bool:
         return self._end is not None and time.monotonic() >= self._end
+
+    def __str__(self) -> str:
+        """The timeout in human units, for error messages ("2.5 s", "no deadline")."""
+        return "no deadline" if self.timeout is None else human_duration(self.timeout)
 
     def slice(self, at_most: float) -> float:
         """Seconds to wait next: the time left, capped at ``at_most`` (for polling loops)."""

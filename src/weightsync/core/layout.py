@@ -117,7 +117,22 @@ class Layout:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor]) -> Layout:
-        """The layout of a flat ``name -> tensor`` mapping, in its iteration order."""
+        """The layout of a flat ``name -> tensor`` mapping, in its iteration order.
+
+        Only dense tensors that hold data can be synced: a sparse tensor raises TypeError
+        and a tensor on the meta device ValueError, each naming the entry, before any byte
+        moves."""
+        for name, t in weights.items():
+            if t.layout != torch.strided:
+                raise TypeError(
+                    f"entry {name!r} is a {t.layout} tensor; weightsync syncs dense tensors "
+                    "(convert it with .to_dense())"
+                )
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"entry {name!r} is on the meta device and holds no data; materialise the "
+                    "model first, e.g. model.to_empty(device='cpu')"
+                )
         return cls(
             TensorSpec(name, tuple(t.shape), t.dtype, str(t.device)) for name, t in weights.items()
         )

@@ -164,14 +164,31 @@ class WeightReceiver(_Closable, abc.ABC):
 
     def register_model(self, model: Any) -> None:
         """The local model that received weights are copied into, in place."""
-        self._dest = flat_tensors(model, what="register_model")
+        dest = flat_tensors(model, what="register_model")
+        Layout.from_weights(dest)  # refuses meta-device and sparse tensors now, by name
+        self._dest = dest
         self._model = model
 
     def _destination(self) -> dict[str, torch.Tensor]:
+        """The model's tensors as they are now. Resolved again at each apply, so a model
+        changed after ``register_model`` (``load_state_dict(assign=True)``, a replaced
+        submodule) receives the weights instead of tensors it no longer uses."""
         if self._dest is None:
             raise RuntimeError(
                 f"worker {self.worker_idx}: call register_model(model) before connect()"
             )
+        if self._model is not None and isinstance(self._model, torch.nn.Module):
+            fresh = flat_tensors(self._model, what=f"worker {self.worker_idx}'s model")
+            if fresh.keys() != self._dest.keys() or any(
+                fresh[k] is not t and (fresh[k].shape != t.shape or fresh[k].dtype != t.dtype
+                                       or fresh[k].device != t.device)
+                for k, t in self._dest.items()
+            ):
+                Layout.from_weights(self._dest).check_compatible(
+                    Layout.from_weights(fresh), self_name="the model as registered",
+                    other_name=f"worker {self.worker_idx}'s model now",
+                )
+            self._dest = fresh
         return self._dest
 
     @property
@@ -192,8 +209,9 @@ class WeightReceiver(_Closable, abc.ABC):
         """Apply the newest delivered version if newer than ours; never blocks."""
 
     @abc.abstractmethod
-    def receive(self, timeout: float | None = 5.0) -> int | None:
-        """Block for a newer version and apply it; None on timeout."""
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Block for a newer version (up to ``timeout``, default the scheme's) and apply
+        it; None on timeout."""
 
 
 

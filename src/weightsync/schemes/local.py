@@ -1,22 +1,25 @@
-"""What the two same-host schemes share: a rendezvous socket, a hub thread on the sender
-that accepts (re)connecting workers and collects acks, and a reader thread per receiver.
+"""What the two same-host schemes share: membership and the send lifecycle on the sender
+(its hub thread, in ``transports.local_hub``, admits authenticated workers), and the
+handshake plus a reader thread on each receiver.
 
 The hub is what lets a restarted worker join and take the current version while the
 trainer is busy elsewhere, and what turns a dead worker (its socket hits EOF the moment
 the kernel reaps it) into a :class:`WorkerLostError` instead of a hang.
+
+Senders and receivers are inert in a process forked from their owner: the child's copy
+never closes, signals or watches anything the owner still uses.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import hmac
 import logging
 import os
 import secrets
-import select
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,20 +39,42 @@ from weightsync.core.stats import SendRecord
 from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION, VersionTable
 from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme, lost_error
+from weightsync.transports.local_auth import (
+    HandshakeError,
+    PeerCredentials,
+    new_nonce,
+    peer_credentials,
+    proofs_match,
+    read_frame,
+    sender_proof,
+    worker_proof,
+)
 from weightsync.transports.local_channel import (
     Channel,
     ChannelClosed,
-    ChannelListener,
     ChannelTimeout,
     Message,
     connect_channel,
     hung_up,
     new_address,
 )
+from weightsync.transports.local_hub import HUB_TICK as _HUB_TICK
+from weightsync.transports.local_hub import Hub
 
 logger = logging.getLogger(__name__)
 
-_HUB_TICK = 0.2
+#: senders and receivers alive in this process; a forked child marks its copies inert
+_live_objects: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _inert_after_fork() -> None:
+    for obj in list(_live_objects):
+        obj._forked_copy = True
+        obj._closed = True
+    _live_objects.clear()
+
+
+os.register_at_fork(after_in_child=_inert_after_fork)
 
 
 class LocalScheme(WeightSyncScheme):
@@ -65,6 +90,7 @@ class LocalScheme(WeightSyncScheme):
         self.num_workers = num_workers
         self.address = new_address()
         self.token = secrets.token_hex(16)
+        self.uid = os.getuid()  # only processes of this user may connect, on either side
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, timeout={self.timeout})"
@@ -98,12 +124,13 @@ class LocalSender(WeightSender):
         self._why: dict[int, str] = {}
         self._watches: dict[int, ProcessWatch] = {}
         self._reported: set[int] = set()
+        self._goodbyes: set[int] = set()
         self._pending: _PendingSend | None = None
-        self._listener = ChannelListener(scheme.address)
-        self._wake_r, self._wake_w = os.pipe()
-        self._stop = False
-        self._hub = threading.Thread(target=self._run_hub, name="weightsync-hub", daemon=True)
-        self._hub.start()
+        self._forked_copy = False
+        # binds the address now (a second open sender of the scheme is refused at once);
+        # its thread starts at connect(), so workers wait in the listen queue until then
+        self._hub = Hub(scheme.address, scheme.token, scheme.uid, self)
+        _live_objects.add(self)
 
     # ================================================================== transport hooks
     @abc.abstractmethod
@@ -132,83 +159,69 @@ class LocalSender(WeightSender):
     #: published, which for shared memory means the worker's next poll() takes it
     _delivery_needs_ack = True
 
-    # ================================================================== hub thread
-    def _run_hub(self) -> None:
-        while not self._stop:
-            with self._cond:
-                channels = dict(self._channels)
-            poller = select.poll()
-            poller.register(self._listener.fileno(), select.POLLIN)
-            poller.register(self._wake_r, select.POLLIN)
-            by_fd = {}
-            for idx, channel in channels.items():
-                with contextlib.suppress(OSError, ValueError):
-                    poller.register(channel.fileno(), select.POLLIN)
-                    by_fd[channel.fileno()] = (idx, channel)
-            try:
-                events = poller.poll(int(_HUB_TICK * 1000))
-            except InterruptedError:
-                continue
-            for fd, _event in events:
-                if self._stop:
-                    return
-                if fd == self._wake_r:
-                    with contextlib.suppress(OSError):
-                        os.read(self._wake_r, 4096)
-                elif fd == self._listener.fileno():
-                    self._accept()
-                elif fd in by_fd:
-                    self._read_from(*by_fd[fd])
+    # ================================================================== hub events
+    def hub_channels(self) -> dict[int, Channel]:
+        with self._cond:
+            return dict(self._channels)
 
-    def _wake_hub(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-
-    def _accept(self) -> None:
-        channel = self._listener.accept(timeout=0.0)
-        if channel is None:
-            return
-        try:
-            hello = channel.recv(timeout=5.0).header
-        except (ChannelClosed, ChannelTimeout):
-            channel.close()
-            return
-        refusal = self._check_hello(hello)
+    def admit(self, channel: Channel, hello: dict[str, Any], peer: PeerCredentials,
+              welcome_proof: str) -> None:
+        """An authenticated worker said hello: join it, or tell it why not."""
+        refusal = self._check_hello(hello, peer)
         if refusal is not None:
-            with contextlib.suppress(ChannelClosed, ChannelTimeout):
-                channel.send({"t": "refused"} | refusal, timeout=1.0)
+            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                channel.send_nowait({"t": "refused"} | refusal)
             channel.close()
             return
         idx = int(hello["worker_idx"])
         with self._membership:
-            self._join(idx, channel, hello)
+            self._join(idx, channel, peer.pid, welcome_proof)
 
-    def _join(self, idx: int, channel: Channel, hello: dict[str, Any]) -> None:
+    def on_message(self, worker_idx: int, channel: Channel, message: Message) -> None:
+        kind = message.header.get("t")
+        with self._cond:
+            if self._channels.get(worker_idx) is not channel:
+                return
+            state = self._table.workers[worker_idx]
+            if kind == "ack":
+                version = message.header.get("v")
+                if isinstance(version, int):
+                    state.version = max(state.version, version)
+            elif kind == "mismatch":
+                state.error = self._why[worker_idx] = str(message.header.get("error"))[:2000]
+            elif kind == "bye":
+                self._goodbyes.add(worker_idx)
+            self._cond.notify_all()
+
+    def on_hangup(self, worker_idx: int, channel: Channel, why: str) -> None:
+        if worker_idx in self._goodbyes:
+            self._mark_lost(worker_idx, channel, "closed its receiver", goodbye=True)
+        else:
+            self._mark_lost(worker_idx, channel, f"connection closed ({why}); did the process die?")
+
+    def _join(self, idx: int, channel: Channel, pid: int, welcome_proof: str) -> None:
         with self._cond:
             old = self._channels.pop(idx, None)
             if old is not None:
                 old.close()
             state = self._table.workers[idx]
             state.connected, state.lost, state.error = True, False, None
-            state.pid, state.version = hello.get("pid"), NO_VERSION
+            state.pid, state.version = pid, NO_VERSION
             self._why.pop(idx, None)
             self._reported.discard(idx)
+            self._goodbyes.discard(idx)
             self._channels[idx] = channel
-            self._watch(idx, hello.get("pid"))
+            self._watch(idx, pid)
             self._cond.notify_all()
         try:
-            channel.send({"t": "welcome", "worker_idx": idx}, timeout=5.0)
+            channel.send({"t": "welcome", "worker_idx": idx, "proof": welcome_proof}, timeout=5.0)
             self._on_join(idx, channel)
         except (ChannelClosed, ChannelTimeout, OSError) as exc:
             self._mark_lost(idx, channel, f"failed while joining: {exc}")
             return
-        logger.info("worker %d connected (pid %s)", idx, hello.get("pid"))
+        logger.info("worker %d connected (pid %d)", idx, pid)
 
-    def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any] | None:
-        if hello.get("t") != "hello" or not hmac.compare_digest(
-            str(hello.get("token", "")), self.scheme.token
-        ):
-            return {"kind": "token", "error": "bad handshake: not a worker of this scheme"}
+    def _check_hello(self, hello: dict[str, Any], peer: PeerCredentials) -> dict[str, Any] | None:
         idx = hello.get("worker_idx")
         if not isinstance(idx, int) or not 0 <= idx < self.scheme.num_workers:
             return {
@@ -218,38 +231,16 @@ class LocalSender(WeightSender):
             }
         with self._cond:
             current = self._channels.get(idx)
+            watch = self._watches.get(idx)
         if current is not None and not current.peer_closed():
-            pid = self._table.workers[idx].pid
-            return {"kind": "index", "error": f"worker {idx} is already connected (pid {pid})"}
-        if self._layout is not None and hello.get("layout") is not None:
-            try:
-                self._layout.check_compatible(
-                    Layout.from_dict(hello["layout"]), other_name=f"worker {idx}"
-                )
-            except (SchemaMismatchError, ValueError) as exc:
-                with self._cond:
-                    self._why[idx] = str(exc)
-                    self._table.workers[idx].error = str(exc)
-                    self._cond.notify_all()
-                return {"kind": "schema", "error": str(exc), "key": getattr(exc, "key", None)}
+            if watch is not None and watch.dying():  # a forked child may keep its socket open
+                self._mark_lost(idx, current, f"process {watch.pid} is dead")
+            else:
+                pid = self._table.workers[idx].pid
+                return {"kind": "index", "error": f"worker {idx} is already connected (pid {pid})"}
         return None
 
-    def _read_from(self, idx: int, channel: Channel) -> None:
-        try:
-            message = channel.recv(timeout=5.0)
-        except (ChannelClosed, ChannelTimeout) as exc:
-            self._mark_lost(idx, channel, f"connection closed ({exc}); did the process die?")
-            return
-        kind = message.header.get("t")
-        with self._cond:
-            state = self._table.workers[idx]
-            if kind == "ack":
-                state.version = max(state.version, int(message.header["v"]))
-            elif kind == "mismatch":
-                state.error = self._why[idx] = str(message.header.get("error"))
-            self._cond.notify_all()
-
-    def _mark_lost(self, idx: int, channel: Channel, why: str) -> None:
+    def _mark_lost(self, idx: int, channel: Channel, why: str, *, goodbye: bool = False) -> None:
         with self._cond:
             if self._channels.get(idx) is not channel:
                 return
@@ -261,7 +252,10 @@ class LocalSender(WeightSender):
             self._cond.notify_all()
         self._on_lost(idx)
         channel.close()
-        logger.warning("worker %d lost: %s", idx, why)
+        if goodbye:
+            logger.debug("worker %d left: %s", idx, why)
+        else:
+            logger.warning("worker %d lost: %s", idx, why)
 
     # ================================================================== API
     @property
@@ -277,8 +271,16 @@ class LocalSender(WeightSender):
             return sorted(self._channels)
 
     def connect(self, timeout: float | None = None) -> int:
-        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
+        return self._connect(self._deadline(timeout))
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        """The one deadline of a public call: from its start to its return."""
+        return Deadline(self.scheme.timeout if timeout is None else timeout)
+
+    def _connect(self, deadline: Deadline) -> int:
         self._check_open()
+        if not self._hub.running and self._hub.error is None:
+            self._hub.start()
         if self._table.published == NO_VERSION:
             flat = self._weights_to_send(None)
             with self._membership:
@@ -289,6 +291,7 @@ class LocalSender(WeightSender):
             self._deliver(targets, 0, deadline)
         with self._cond:
             while True:
+                self._check_hub()
                 workers = self._table.workers.values()
                 failed = {w.worker_idx: w.error for w in workers if w.error}
                 if failed:
@@ -303,32 +306,33 @@ class LocalSender(WeightSender):
                         raise lost_error(lost, self._table.published, self._why)
                     raise WeightSyncTimeoutError(
                         f"connect: worker(s) {waiting} did not connect and take version "
-                        f"{self._table.published} within {deadline.timeout}s "
+                        f"{self._table.published} within {deadline} "
                         f"(connected: {sorted(self._channels)})",
                         worker_ids=waiting,
                     )
                 self._cond.wait(deadline.slice(_HUB_TICK))
 
     def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        self._start_send(weights, worker_ids, background=self._deliver_in_background)
+        self._start_send(weights, worker_ids, self._deadline(None),
+                         background=self._deliver_in_background)
 
     def send(
         self, weights: Any = None, worker_ids: int | list[int] | None = None,
         timeout: float | None = None,
     ) -> int:
-        self._start_send(weights, worker_ids, background=False, timeout=timeout)
-        return self.wait_async(timeout)
+        deadline = self._deadline(timeout)
+        self._start_send(weights, worker_ids, deadline, background=False)
+        return self._finish_send(deadline)
 
     def _start_send(
-        self, weights: Any, worker_ids: int | list[int] | None, *, background: bool,
-        timeout: float | None = None,
+        self, weights: Any, worker_ids: int | list[int] | None, deadline: Deadline, *,
+        background: bool,
     ) -> None:
         self._check_open()
         if self._pending is not None:
             raise RuntimeError("a send_async() is still pending: call wait_async() first")
-        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
         if self._table.published == NO_VERSION:
-            self.connect(deadline.remaining())
+            self._connect(deadline)
         requested = self._table.check_worker_ids(worker_ids)
         flat = self._weights_to_send(weights)
         version = self._table.published + 1
@@ -367,17 +371,20 @@ class LocalSender(WeightSender):
         pending.phases["deliver"] = time.perf_counter() - t0
 
     def wait_async(self, timeout: float | None = None) -> int:
-        pending = self._pending
-        if pending is None:
+        if self._pending is None:
             raise RuntimeError("no send_async() is pending")
-        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
+        return self._finish_send(self._deadline(timeout))
+
+    def _finish_send(self, deadline: Deadline) -> int:
+        pending = self._pending
+        assert pending is not None
         try:
             if pending.thread is not None:
                 pending.thread.join(deadline.remaining())
                 if pending.thread.is_alive():
                     raise WeightSyncTimeoutError(
-                        f"version {pending.version} was not delivered within "
-                        f"{deadline.timeout}s", worker_ids=pending.targets,
+                        f"version {pending.version} was not delivered within {deadline}",
+                        worker_ids=pending.targets,
                     )
             if pending.error is not None:
                 raise pending.error
@@ -403,16 +410,18 @@ class LocalSender(WeightSender):
                     if w in pending.lost:
                         continue
                     state = self._table.workers[w]
-                    if state.lost or (w not in self._channels and state.version < pending.version):
+                    if state.version >= pending.version:
+                        continue  # acked (a worker that acked and then left is not lost)
+                    if state.lost or w not in self._channels:
                         pending.lost[w] = self._why.get(w, "connection lost")
-                    elif state.version < pending.version:
+                    else:
                         slow.append(w)
                 if not slow:
                     return
                 if deadline.expired():
                     raise WeightSyncTimeoutError(
                         f"worker(s) {slow} did not confirm version {pending.version} within "
-                        f"{deadline.timeout}s (they are alive but not answering)",
+                        f"{deadline} (they are alive but not answering)",
                         worker_ids=slow,
                     )
                 self._cond.wait(deadline.slice(_HUB_TICK))
@@ -442,6 +451,14 @@ class LocalSender(WeightSender):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this sender is closed")
+        self._check_hub()
+
+    def _check_hub(self) -> None:
+        if self._hub.error is not None:
+            raise WeightSyncError(
+                f"the sender's connection hub stopped ({self._hub.error!r}); workers can no "
+                "longer join: close this sender and create a new one"
+            )
 
     def _reachable(self, targets: list[int]) -> tuple[list[tuple[int, Channel]], dict[int, str]]:
         """The targets' channels, and {worker: why} for those already gone."""
@@ -455,10 +472,9 @@ class LocalSender(WeightSender):
         if self._closed:
             return
         self._closed = True
-        self._stop = True
-        self._wake_hub()
-        if self._hub.is_alive() and self._hub is not threading.current_thread():
-            self._hub.join(5.0)
+        if self._forked_copy:
+            return
+        self._hub.stop()
         pending = self._pending
         if pending is not None and pending.thread is not None:
             pending.thread.join(5.0)
@@ -469,13 +485,9 @@ class LocalSender(WeightSender):
                 self._watch(idx, None)
         for channel in channels:
             with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
-                channel.send({"t": "close"}, timeout=0.5)
+                channel.send_nowait({"t": "close"})
             channel.close()
-        self._listener.close()
         self._close_transport()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 class LocalReceiver(WeightReceiver):
@@ -491,10 +503,16 @@ class LocalReceiver(WeightReceiver):
         self.scheme: LocalScheme = scheme
         self._channel: Channel | None = None
         self._cond = threading.Condition()
+        # held while a version is applied: close() waits for it, so nothing is unmapped
+        # while a copy (or a swap of views) reads it
+        self._apply_lock = threading.Lock()
         self._delivered = NO_VERSION
         self._sender_lost: str | None = None
+        self._sender_watch: ProcessWatch | None = None
         self._reader: threading.Thread | None = None
         self._stop = False
+        self._forked_copy = False
+        _live_objects.add(self)
 
     # ================================================================== transport hooks
     @abc.abstractmethod
@@ -512,6 +530,11 @@ class LocalReceiver(WeightReceiver):
     def _close_transport(self) -> None:
         """Release the transport's resources."""
 
+    def _newer_available(self) -> bool:
+        """A cheap look: may a version newer than ours be ready to apply? (When False,
+        ``poll`` returns at once without resolving the model's tensors.)"""
+        return True
+
     # ================================================================== reader thread
     def _run_reader(self) -> None:
         channel = self._channel
@@ -519,6 +542,10 @@ class LocalReceiver(WeightReceiver):
         while not self._stop:
             try:
                 if not channel.readable(_HUB_TICK):
+                    watch = self._sender_watch
+                    if watch is not None and watch.dying():  # a forked child may hold the socket
+                        self._set_sender_lost(f"the sender's process (pid {watch.pid}) died")
+                        return
                     continue
                 if self._stop:
                     return
@@ -564,6 +591,50 @@ class LocalReceiver(WeightReceiver):
             self._cond.notify_all()
 
     # ================================================================== API
+    def _handshake(self, deadline: Deadline) -> Channel:
+        """Connect to the sender and authenticate both ways; returns the channel.
+
+        The peer must run as the scheme's user and prove it holds the scheme's token; the
+        token itself never crosses the socket, so an impostor bound to the address (after
+        the trainer died) learns nothing and is refused before anything it sends is used.
+        """
+        idx = self.worker_idx
+        channel = connect_channel(self.scheme.address, deadline.remaining())
+        try:
+            peer = peer_credentials(channel.socket)
+            if peer.uid != self.scheme.uid:
+                raise WeightSyncError(
+                    f"worker {idx}: refused the process at the sender's address (pid "
+                    f"{peer.pid}): it runs as uid {peer.uid}, the scheme's user is uid "
+                    f"{self.scheme.uid}"
+                )
+            challenge = read_frame(channel.socket, deadline.remaining)
+            sender_nonce = challenge.get("nonce")
+            if challenge.get("t") != "challenge" or not isinstance(sender_nonce, str):
+                raise WeightSyncError(f"worker {idx}: the sender's address answered with "
+                                      f"{challenge.get('t')!r}, not a challenge")
+            nonce = new_nonce()
+            channel.send({
+                "t": "hello", "worker_idx": idx, "pid": os.getpid(), "nonce": nonce,
+                "proof": worker_proof(self.scheme.token, sender_nonce, nonce, idx),
+            }, timeout=deadline.slice(10.0))
+            reply = read_frame(channel.socket, deadline.remaining)
+            if reply.get("t") == "refused":
+                raise WeightSyncError(
+                    f"worker {idx}: the sender refused the connection: {reply.get('error')}"
+                )
+            expected = sender_proof(self.scheme.token, sender_nonce, nonce, idx)
+            if reply.get("t") != "welcome" or not proofs_match(expected, reply.get("proof")):
+                raise WeightSyncError(
+                    f"worker {idx}: the process at the sender's address (pid {peer.pid}) "
+                    "could not prove it holds the scheme's token: refusing it"
+                )
+        except BaseException:
+            channel.close()
+            raise
+        self._sender_watch = ProcessWatch(peer.pid)
+        return channel
+
     def connect(self, timeout: float | None = None) -> int:
         deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
         dest = self._destination()
@@ -571,22 +642,11 @@ class LocalReceiver(WeightReceiver):
             raise RuntimeError(f"worker {self.worker_idx} is already connected")
         local_layout = Layout.from_weights(dest)
         try:
-            channel = connect_channel(self.scheme.address, deadline.remaining())
-            channel.send({
-                "t": "hello", "token": self.scheme.token, "worker_idx": self.worker_idx,
-                "pid": os.getpid(), "layout": local_layout.to_dict(),
-            }, timeout=deadline.slice(10.0))
-            reply = channel.recv(timeout=deadline.remaining()).header
-        except ChannelTimeout as exc:
+            channel = self._handshake(deadline)
+        except (ChannelTimeout, TimeoutError) as exc:
             raise WeightSyncTimeoutError(f"worker {self.worker_idx}: {exc}") from exc
-        except ChannelClosed as exc:
+        except (ChannelClosed, HandshakeError) as exc:
             raise SenderLostError(f"worker {self.worker_idx}: sender hung up: {exc}") from exc
-        if reply.get("t") != "welcome":
-            channel.close()
-            error = f"worker {self.worker_idx}: the sender refused the connection: {reply.get('error')}"
-            if reply.get("kind") == "schema":
-                raise SchemaMismatchError(error, key=reply.get("key"))
-            raise WeightSyncError(error)
         self._channel = channel
         self._reader = threading.Thread(
             target=self._run_reader, name=f"weightsync-reader-{self.worker_idx}", daemon=True
@@ -601,17 +661,23 @@ class LocalReceiver(WeightReceiver):
             self.close()
             raise
         while True:
-            applied = self._apply_newest(dest, deadline)
+            with self._apply_lock:
+                self._check_not_closed()
+                applied = self._apply_newest(self._destination(), deadline)
             if applied is not None:
                 self._version = applied
                 break
             self._wait_for_delivery(deadline, "connect")
             if deadline.expired():
                 raise WeightSyncTimeoutError(
-                    f"worker {self.worker_idx}: no weights arrived within {deadline.timeout}s"
+                    f"worker {self.worker_idx}: no weights arrived within {deadline}"
                 )
         channel.send({"t": "ack", "v": self._version}, timeout=deadline.slice(10.0))
         return self._version
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"worker {self.worker_idx}: this receiver is closed")
 
     def _check_sender(self) -> None:
         if self._channel is None:
@@ -632,38 +698,52 @@ class LocalReceiver(WeightReceiver):
                 self._cond.wait(deadline.slice(0.05))
 
     def poll(self) -> int | None:
-        """Apply the newest delivered version, if newer; a version delivered before the
-        sender died is still applied, after that the loss is raised."""
+        """Apply the newest delivered version, if newer; never blocks. A version delivered
+        before the sender died is still applied, after that the loss is raised."""
         if self._channel is None:
             raise RuntimeError(f"worker {self.worker_idx}: call connect() first")
-        applied = self._apply_newest(self._destination(), Deadline(self.scheme.timeout))
-        if applied is None:
-            self._check_sender()
-            return None
-        return self._applied(applied)
+        with self._apply_lock:
+            self._check_not_closed()
+            if self._newer_available():
+                applied = self._apply_newest(self._destination(), Deadline(0))
+                if applied is not None:
+                    return self._applied(applied)
+        self._check_sender()
+        return None
 
-    def receive(self, timeout: float | None = 5.0) -> int | None:
-        deadline = Deadline(timeout)
-        dest = self._destination()
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Block for a newer version (up to ``timeout``, default the scheme's) and apply it;
+        None if none came in time."""
+        deadline = Deadline(self.scheme.timeout if timeout is None else timeout)
         while True:
             if self._channel is None:
                 raise RuntimeError(f"worker {self.worker_idx}: call connect() first")
-            applied = self._apply_newest(dest, Deadline(self.scheme.timeout))
-            if applied is not None:
-                return self._applied(applied)
+            with self._apply_lock:
+                self._check_not_closed()
+                applied = self._apply_newest(self._destination(), Deadline(deadline.slice(0.05)))
+                if applied is not None:
+                    return self._applied(applied)
             self._check_sender()
             if deadline.expired():
                 return None
             self._wait_for_delivery(deadline, "receive")
 
     def close(self) -> None:
+        """Say goodbye to the sender (a clean leave, not a loss) and release everything;
+        waits for an apply in progress in another thread."""
         if self._closed:
             return
         self._closed = True
+        if self._forked_copy:
+            return
         self._stop = True
-        if self._channel is not None:
-            self._channel.close()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(5.0)
-        self._close_transport()
-
+        with self._apply_lock:
+            if self._channel is not None:
+                with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                    self._channel.send_nowait({"t": "bye"})
+                self._channel.close()
+            if self._reader is not None and self._reader is not threading.current_thread():
+                self._reader.join(5.0)
+            if self._sender_watch is not None:
+                self._sender_watch.close()
+            self._close_transport()

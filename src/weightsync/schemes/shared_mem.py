@@ -103,6 +103,9 @@ class SharedMemWeightReceiver(LocalReceiver):
                         f"{deadline.timeout}s"
                     ) from None
 
+    def _newer_available(self) -> bool:
+        return self.transport.published_version(self.worker_idx) != self._version
+
     def _apply_newest(self, dest: dict[str, torch.Tensor], deadline: Deadline) -> int | None:
         return self.transport.apply_latest(self.worker_idx, dest, self._version, deadline)
 

@@ -136,6 +136,11 @@ class Channel:
         return self._sock.fileno()
 
     @property
+    def socket(self) -> socket.socket:
+        """The underlying Unix socket (for peer credentials and the handshake)."""
+        return self._sock
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -220,9 +225,11 @@ class Channel:
                 raise ChannelClosed("peer closed the connection")
             view = view[n:]
 
-    def recv_header(self, timeout: float | None = None) -> Message:
+    def recv_header(self, timeout: float | None = None, *, max_payload: int | None = None) -> Message:
         """Receive the next message's header and fds; its payload (``payload_nbytes``) must
-        then be read with :meth:`recv_payload_into` or :meth:`recv_payload`."""
+        then be read with :meth:`recv_payload_into` or :meth:`recv_payload`. A malformed
+        frame (not a JSON object, or a payload over ``max_payload``) raises ChannelClosed:
+        the stream cannot be trusted after it."""
         deadline = Deadline(timeout)
         prefix = bytearray(_PREFIX.size)
         fds: list[int] = []
@@ -234,8 +241,15 @@ class Channel:
         self._recv_into(memoryview(body), deadline, None)
         try:
             header = json.loads(body)
-        except ValueError as exc:
-            raise ChannelClosed(f"malformed frame header: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            _close_fds(fds)
+            raise ChannelClosed(f"malformed frame header: {type(exc).__name__}") from None
+        if not isinstance(header, dict):
+            _close_fds(fds)
+            raise ChannelClosed(f"malformed frame: a JSON {type(header).__name__}, not an object")
+        if max_payload is not None and payload_len > max_payload:
+            _close_fds(fds)
+            raise ChannelClosed(f"malformed frame: a payload of {payload_len} bytes")
         return Message(header=header, payload_nbytes=payload_len, fds=fds)
 
     def recv_payload_into(self, view: memoryview, timeout: float | None = None) -> None:
@@ -247,13 +261,31 @@ class Channel:
         message.payload = data
         return data
 
-    def recv(self, timeout: float | None = None) -> Message:
+    def recv(self, timeout: float | None = None, *, max_payload: int | None = None) -> Message:
         """Receive one whole message, payload included."""
         deadline = Deadline(timeout)
-        message = self.recv_header(deadline.remaining())
+        message = self.recv_header(deadline.remaining(), max_payload=max_payload)
         if message.payload_nbytes:
             self.recv_payload(message, deadline.remaining())
         return message
+
+    def send_nowait(self, header: dict[str, Any]) -> bool:
+        """Send a small message only if the socket can take it now; False if its buffer is
+        full (a peer that does not read). A frame begun is always finished."""
+        body = json.dumps(header, separators=(",", ":")).encode()
+        data = memoryview(_PREFIX.pack(len(body), 0) + body)
+        with self._send_lock:
+            if self._closed:
+                raise ChannelClosed("channel is closed")
+            try:
+                sent = self._sock.send(data)
+            except BlockingIOError:
+                return False
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise ChannelClosed(f"peer closed the connection: {exc}") from exc
+            if sent < len(data):
+                self._send_all(data[sent:], Deadline(1.0))
+        return True
 
     def readable(self, timeout: float = 0.0) -> bool:
         """True if a message (or EOF) is waiting to be read."""
@@ -264,6 +296,13 @@ class Channel:
         return bool(poller.poll(int(timeout * 1000)))
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
 def new_address() -> str:
     """A fresh address: in the abstract namespace on Linux (nothing on disk), else a temp path."""
     name = f"weightsync-{os.getpid()}-{uuid.uuid4().hex}"
@@ -272,18 +311,36 @@ def new_address() -> str:
     return os.path.join(tempfile.gettempdir(), name + ".sock")
 
 
+class AddressInUseError(OSError):
+    """The scheme's address is taken: another sender of the same scheme is open."""
+
+
 class ChannelListener:
     """Accepts channels at ``address`` (see :func:`new_address`)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(address)
+        try:
+            self._sock.bind(address)
+        except OSError as exc:
+            self._sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUseError(
+                    "another sender of this scheme is still open (in this or another "
+                    "process): close it first, or create a new scheme"
+                ) from None
+            raise
         self._sock.listen(64)
         self._sock.setblocking(False)
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    @property
+    def socket(self) -> socket.socket:
+        """The underlying Unix socket (for peer credentials and the handshake)."""
+        return self._sock
 
     def accept(self, timeout: float | None = 0.0) -> Channel | None:
         deadline = Deadline(timeout)

@@ -11,11 +11,9 @@ pipes on the first send, so workers may start before any weights exist.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -29,6 +27,7 @@ from weightsync.core.errors import SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.cuda_ipc import open_cuda_buffer, share_cuda_buffer
 from weightsync.transports.local_channel import Channel, ChannelClosed, Message
 from weightsync.transports.shared_memory import Segment
 
@@ -66,20 +65,6 @@ def _lock(fd: int, slot: int, exclusive: bool) -> bool:
 
 def _unlock(fd: int, slot: int) -> None:
     fcntl.lockf(fd, fcntl.LOCK_UN, 1, _LOCK_BASE + slot, 0)
-
-
-def _share_cuda(buffer: torch.Tensor) -> str:
-    """CUDA IPC handle of a buffer, for a process of this host (never crosses machines)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _rebuild, args = reduce_tensor(buffer)
-    return base64.b64encode(pickle.dumps(args)).decode()
-
-
-def _open_cuda(handle: str) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
 
 
 @dataclass
@@ -127,7 +112,7 @@ class _SenderModel:
         return slot
 
     def slot_message(self, slot: _Slot, model_id: str) -> tuple[dict[str, Any], list[int]]:
-        devices = {d: (None if d == "cpu" else _share_cuda(b)) for d, b in slot.buffers.items()}
+        devices = {d: (None if d == "cpu" else share_cuda_buffer(b)) for d, b in slot.buffers.items()}
         fds = [slot.segments["cpu"].fd] if "cpu" in slot.segments else []
         return {"t": "shm.slot", "model_id": model_id, "index": slot.index, "devices": devices}, fds
 
@@ -172,7 +157,7 @@ class _ReceiverModel:
                 assert seg.tensor is not None
                 slot.buffers["cpu"] = seg.tensor
             else:
-                slot.buffers[device] = _open_cuda(handle)
+                slot.buffers[device] = open_cuda_buffer(handle)
         self.slots[slot.index] = slot
 
     def close(self) -> None:
@@ -474,7 +459,8 @@ class SharedMemTransport:
         deadline: Deadline, model_id: str = DEFAULT_MODEL_ID, pump: Any = None,
     ) -> int | None:
         """Copy the newest version published for ``worker_idx`` into ``dest`` if it is newer
-        than ``held_version``; returns it, or None if there is nothing newer."""
+        than ``held_version``; returns it, or None if there is nothing newer (or its slot's
+        handle has not arrived by ``deadline``: ``Deadline(0)`` never blocks)."""
         model = self._receiver_models[model_id]
         while True:
             packed = model.ctrl[_HEADER_WORDS + worker_idx]
@@ -495,9 +481,7 @@ class SharedMemTransport:
                     else:
                         self._slot_arrived.wait(deadline.slice(0.05))
                 if deadline.expired():
-                    raise WeightSyncTimeoutError(
-                        f"worker {worker_idx}: slot {index} of version {version} never arrived"
-                    )
+                    return None  # its handle is not here yet: a later call applies it
                 continue
             if not _lock(model.control.fd, index, exclusive=False):
                 continue  # the sender is rewriting that slot: our target has moved on
