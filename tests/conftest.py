@@ -17,8 +17,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import weightsync as ws
 
+
+def _zero_copy_scheme(*args: Any, **kwargs: Any) -> ws.SharedMemWeightSyncScheme:
+    """SharedMem whose receivers default to zero-copy (weights are views into the slot)."""
+    return ws.SharedMemWeightSyncScheme(*args, zero_copy=True, **kwargs)
+
+
 SCHEMES = {
     "shm": ws.SharedMemWeightSyncScheme,
+    "shm-zero-copy": _zero_copy_scheme,
     "mp": ws.MultiProcessWeightSyncScheme,
 }
 

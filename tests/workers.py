@@ -65,14 +65,13 @@ def hammer_worker(scheme: Any, idx: int, out: Any, stop: Any, width: int = 64) -
     receiver = scheme.create_receiver(worker_idx=idx)
     receiver.register_model(model)
     receiver.connect(timeout=30)
-    tensors = list(model.state_dict().values())
     reads = violations = applied = 0
     first_bad = None
     while not stop.is_set():
         if receiver.poll() is not None:
             applied += 1
         expected = float(max(receiver.version, 0))
-        for t in tensors:
+        for t in model.state_dict().values():  # zero-copy re-points the tensors' data
             if not bool((t == expected).all()):
                 violations += 1
                 if first_bad is None:

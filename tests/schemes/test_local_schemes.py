@@ -7,6 +7,7 @@ import gc
 import itertools
 import os
 import pickle
+import signal
 import threading
 import time
 
@@ -106,8 +107,15 @@ def test_worker_writing_its_own_copy_changes_nothing_elsewhere(scheme_cls, worke
     sender = scheme.create_sender()
     sender.register_model(model)
     sender.connect(timeout=30)
-    msgs = {m[0]: m for m in drain(workers.out, 2)}
-    assert msgs["scribbled"][3] != before
+    if getattr(scheme, "zero_copy", False):
+        # zero-copy weights are read-only views: the stray write is a crash of the writer,
+        # never a change seen by anyone else
+        msgs = {m[0]: m for m in drain(workers.out, 1)}
+        workers.procs[0].join(20)
+        assert workers.procs[0].exitcode == -signal.SIGSEGV
+    else:
+        msgs = {m[0]: m for m in drain(workers.out, 2)}
+        assert msgs["scribbled"][3] != before
     assert msgs["connected"][3] == before  # worker 1 still holds the trainer's values
     assert checksum(model) == before
     # a later send still carries the trainer's weights, not worker 0's scribbles

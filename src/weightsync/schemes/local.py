@@ -379,6 +379,10 @@ class LocalSender(WeightSender):
         pending = self._pending
         assert pending is not None
         try:
+            if self._closed:
+                raise WeightSyncError(
+                    f"the sender was closed while version {pending.version} was being sent"
+                )
             if pending.thread is not None:
                 pending.thread.join(deadline.remaining())
                 if pending.thread.is_alive():
@@ -567,7 +571,9 @@ class LocalReceiver(WeightReceiver):
     _ack_on_delivery = True
 
     def _mark_delivered(self, version: int, channel: Channel) -> None:
-        if self._ack_on_delivery:
+        # before connect() has checked the layout and applied a version, nothing is acked:
+        # connect() acks what it applied, or reports the mismatch instead
+        if self._ack_on_delivery and self._version != NO_VERSION:
             channel.send({"t": "ack", "v": version}, timeout=self.scheme.timeout)
         with self._cond:
             self._delivered = max(self._delivered, version)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -11,8 +12,9 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.schemes.local import LocalReceiver, LocalScheme, LocalSender
-from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
-from weightsync.transports.multiprocess import MPTransport, Snapshot, as_bytes
+from weightsync.transports.local_channel import Channel, Message
+from weightsync.transports.multiprocess import MPTransport
+from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer
 
 
 class MultiProcessWeightSyncScheme(LocalScheme):
@@ -25,63 +27,80 @@ class MultiProcessWeightSyncScheme(LocalScheme):
         return MultiProcessWeightReceiver(self, worker_idx)
 
 
+def _weak_callback(method: Callable[[int, Channel, str], None]) -> Callable[[int, Channel, str], None]:
+    """``method`` called through a weak reference, so a streamer thread never keeps its
+    sender alive (a dropped sender must be collected, and its ``__del__`` closes it)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(worker_idx: int, channel: Channel, why: str) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(worker_idx, channel, why)
+
+    return call
+
+
 class MultiProcessWeightSender(LocalSender):
-    _deliver_in_background = True
+    """Packs each version once into a snapshot; one streamer thread per worker writes it
+    to that worker, so workers are served independently and a send ends at its deadline
+    with only the workers that did not answer blamed (acks carry the version)."""
 
     def __init__(self, scheme: MultiProcessWeightSyncScheme) -> None:
-        self._snapshots: list[Snapshot] = []
-        self._latest: Snapshot | None = None
-        self._snapshot_guard = threading.Lock()
         super().__init__(scheme)
+        self._pool: SnapshotPool | None = None
+        self._streamers: dict[int, Streamer] = {}
+        self._streamers_lock = threading.Lock()
 
     def _publish(
         self, flat: Mapping[str, torch.Tensor], targets: list[int], version: int,
         deadline: Deadline,
     ) -> None:
         assert self._layout is not None
-        with self._snapshot_guard:
-            if not self._snapshots:
-                self._snapshots = [Snapshot(self._layout), Snapshot(self._layout)]
-            spare = next(s for s in self._snapshots if s is not self._latest)
-        spare.fill(flat, version)
-        with self._snapshot_guard:
-            self._latest = spare
-
-    def _send_to(self, channel: Channel, snapshot: Snapshot, deadline: Deadline,
-                 with_layout: bool) -> None:
-        with snapshot.lock:
-            if with_layout:
-                channel.send({"t": "mp.layout", "layout": snapshot.layout.to_dict()},
-                             timeout=deadline.slice(10.0))
-            channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=deadline.remaining())
+        if self._pool is None:
+            self._pool = SnapshotPool(self._layout, self.scheme.num_workers + 2)
+        self._pool.fill(flat, version, deadline)
 
     def _deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
-        snapshot = self._latest
-        assert snapshot is not None and snapshot.version == version
         reachable, lost = self._reachable(targets)
         for w, channel in reachable:
-            try:
-                self._send_to(channel, snapshot, deadline, with_layout=version == 0)
-            except ChannelClosed as exc:
-                lost[w] = f"connection lost mid-transfer: {exc}"
-            except ChannelTimeout as exc:
-                # a half-written frame cannot be resumed: drop the worker, it may reconnect
-                self._mark_lost(w, channel, f"transfer timed out: {exc}")
-                raise WeightSyncTimeoutError(
-                    f"worker {w} did not take version {version} within {deadline.timeout}s",
-                    worker_ids=[w],
-                ) from exc
+            self._streamer(w, channel).offer(version, deadline)
         return lost
 
+    def _streamer(self, worker_idx: int, channel: Channel) -> Streamer:
+        with self._streamers_lock:
+            streamer = self._streamers.get(worker_idx)
+            if streamer is None or streamer.channel is not channel:
+                if streamer is not None:
+                    streamer.stop()
+                assert self._pool is not None
+                streamer = Streamer(worker_idx, channel, self._pool, self.scheme.timeout,
+                                    _weak_callback(self._stream_failed))
+                self._streamers[worker_idx] = streamer
+            return streamer
+
+    def _stream_failed(self, worker_idx: int, channel: Channel, why: str) -> None:
+        self._mark_lost(worker_idx, channel, why)
+
     def _on_join(self, worker_idx: int, channel: Channel) -> None:
-        with self._snapshot_guard:
-            snapshot = self._latest
-        if snapshot is not None:
-            self._send_to(channel, snapshot, Deadline(self.scheme.timeout), with_layout=True)
+        """A (re)joining worker gets the newest version from its own streamer: the hub
+        never blocks on a transfer."""
+        if self._pool is not None and self._pool.latest is not None:
+            self._streamer(worker_idx, channel).offer(self._pool.latest.version)
+
+    def _on_lost(self, worker_idx: int) -> None:
+        with self._streamers_lock:
+            streamer = self._streamers.pop(worker_idx, None)
+        if streamer is not None:
+            streamer.stop()
 
     def _close_transport(self) -> None:
-        self._snapshots.clear()
-        self._latest = None
+        with self._streamers_lock:
+            streamers = list(self._streamers.values())
+            self._streamers.clear()
+        for streamer in streamers:
+            streamer.stop()
+        if self._pool is not None:
+            self._pool.clear()
 
 
 class MultiProcessWeightReceiver(LocalReceiver):

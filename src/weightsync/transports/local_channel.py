@@ -98,6 +98,7 @@ class Channel:
         self._sock = sock
         self._send_lock = threading.Lock()
         self._closed = False
+        self._owner_pid = os.getpid()
 
     @classmethod
     def from_pipe(cls, pipe: Any) -> Channel:
@@ -157,10 +158,13 @@ class Channel:
         return data == b""
 
     def close(self) -> None:
+        """Close this end. ``shutdown`` (which the peer sees at once) only in the process
+        that made the channel: a forked child's copy closes its descriptor and nothing else."""
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+            if os.getpid() == self._owner_pid:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
 
     # ------------------------------------------------------------------ sending

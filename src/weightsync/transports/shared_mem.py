@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -145,6 +146,7 @@ class _ReceiverModel:
         self.ctrl = self.control.view_int64()
         self.slots: dict[int, _Slot] = {}
         self.dest_cache: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
 
     def add_slot(self, message: Message) -> None:
         header = message.header
@@ -198,6 +200,7 @@ class SharedMemTransport:
         self._receiver_versions: dict[str, int] = {}
         self._sender_gone = False
         self._slot_arrived = threading.Condition(self._lock)
+        self._owner_pid = os.getpid()
         for model_id, weights in (policy_weights or {}).items():
             self.register_weights(model_id, weights)
 
@@ -497,6 +500,47 @@ class SharedMemTransport:
             model.ctrl[_APPLIED_BASE + worker_idx] = version
             return version
 
+    def adopt_latest(
+        self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
+        deadline: Deadline, model_id: str = DEFAULT_MODEL_ID,
+    ) -> int | None:
+        """Zero-copy apply: point every tensor of ``dest`` (``.data``) at views into the
+        newest slot published for ``worker_idx``, if newer than ``held_version``.
+
+        The worker then holds that slot's shared lock until its next adopt (or close), so
+        the sender never rewrites memory the model reads; the slot it held before is let
+        go. On the CPU the views live in a read-only mapping: a stray write into the
+        model's weights is a crash (SIGSEGV), never a change seen by other workers."""
+        model = self._receiver_models[model_id]
+        while True:
+            packed = model.ctrl[_HEADER_WORDS + worker_idx]
+            if packed < 0:
+                return None
+            version, index = _unpack_target(packed)
+            if version == held_version:
+                return None
+            slot = model.slots.get(index)
+            if slot is None:  # its handle is still on the way
+                with self._lock:
+                    self._slot_arrived.wait(deadline.slice(0.05))
+                if deadline.expired():
+                    return None
+                continue
+            if index != model.held_slot and not _lock(model.control.fd, index, exclusive=False):
+                continue  # the sender is rewriting that slot: our target has moved on
+            if model.ctrl[_HEADER_WORDS + worker_idx] != packed:
+                if index != model.held_slot:
+                    _unlock(model.control.fd, index)
+                continue
+            views = model.layout.tensor_views(slot.buffers)
+            for name, tensor in dest.items():
+                tensor.data = views[name]
+            if model.held_slot is not None and model.held_slot != index:
+                _unlock(model.control.fd, model.held_slot)
+            model.held_slot = index
+            model.ctrl[_APPLIED_BASE + worker_idx] = version
+            return version
+
     def setup_connection_and_weights_on_receiver(
         self,
         *,
@@ -565,7 +609,14 @@ class SharedMemTransport:
 
     # ================================================================== both
     def close(self) -> None:
-        """Release every segment this transport holds (sender or receiver side)."""
+        """Release every segment this transport holds (sender or receiver side). In a
+        process forked from the owner, only this copy's references are dropped: the shared
+        control block (which tells workers the sender closed) is left alone."""
+        if os.getpid() != self._owner_pid:
+            self._models.clear()
+            self._receiver_models.clear()
+            self._channels.clear()
+            return
         with self._lock:
             for model in self._models.values():
                 model.close()

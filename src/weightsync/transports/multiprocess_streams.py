@@ -1,0 +1,162 @@
+"""The MultiProcess sender's data path: a pool of snapshots and one streamer per worker.
+
+Each worker has its own streamer thread that writes the newest snapshot offered to it
+over its socket, so workers are served independently: a stopped or slow worker delays
+nobody else, and no lock is held across a transfer. A snapshot is never rewritten while a
+streamer reads it; the pool grows (up to a cap) instead of waiting for a slow reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncTimeoutError
+from weightsync.core.layout import Layout
+from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout
+from weightsync.transports.multiprocess import Snapshot, as_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotPool:
+    """Packed copies of versions: the newest, plus those streamers still read."""
+
+    def __init__(self, layout: Layout, max_snapshots: int) -> None:
+        self.layout = layout
+        self.max_snapshots = max(2, max_snapshots)
+        self._snapshots: list[Snapshot] = []
+        self._readers: dict[int, int] = {}  # id(snapshot) -> streamers reading it
+        self._cond = threading.Condition()
+        self.latest: Snapshot | None = None
+
+    def fill(self, flat: Mapping[str, torch.Tensor], version: int, deadline: Deadline) -> Snapshot:
+        """Pack ``flat`` as ``version`` into a snapshot no streamer reads; it becomes the
+        newest. Grows the pool before waiting for a reader to finish."""
+        with self._cond:
+            while True:
+                free = [s for s in self._snapshots
+                        if s is not self.latest and not self._readers.get(id(s))]
+                if free:
+                    spare = free[0]
+                    break
+                if len(self._snapshots) < self.max_snapshots:
+                    spare = Snapshot(self.layout)
+                    self._snapshots.append(spare)
+                    break
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"no free snapshot for version {version} within {deadline}: every "
+                        "copy is still being streamed to a slow worker"
+                    )
+                self._cond.wait(deadline.slice(0.05))
+            self._readers[id(spare)] = 1  # nobody may take it while it is being filled
+        try:
+            spare.fill(flat, version)
+        finally:
+            with self._cond:
+                self._readers[id(spare)] = 0
+                self.latest = spare
+                self._cond.notify_all()
+        return spare
+
+    def acquire_latest(self) -> Snapshot | None:
+        with self._cond:
+            snapshot = self.latest
+            if snapshot is not None:
+                self._readers[id(snapshot)] = self._readers.get(id(snapshot), 0) + 1
+            return snapshot
+
+    def release(self, snapshot: Snapshot) -> None:
+        with self._cond:
+            self._readers[id(snapshot)] -= 1
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._snapshots.clear()
+            self._readers.clear()
+            self.latest = None
+
+
+class Streamer:
+    """Streams the newest snapshot to one worker, in a thread of its own.
+
+    ``offer()`` never blocks: the thread picks up the newest version when it is free, so a
+    worker that falls behind skips versions instead of queueing them. A transfer that
+    fails or runs past its deadline breaks the stream (a half-written frame cannot be
+    resumed): ``on_failure(worker_idx, channel, why)`` is called once and the thread ends.
+    """
+
+    def __init__(
+        self, worker_idx: int, channel: Channel, pool: SnapshotPool, timeout: float,
+        on_failure: Callable[[int, Channel, str], None],
+    ) -> None:
+        self.worker_idx = worker_idx
+        self.channel = channel
+        self._pool = pool
+        self._timeout = timeout
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
+        self._wanted_version = -1
+        self._deadline: Deadline | None = None
+        self._sent_version = -1
+        self._sent_layout = False
+        self._stop = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"weightsync-stream-{worker_idx}", daemon=True
+        )
+        self._thread.start()
+
+    def offer(self, version: int, deadline: Deadline | None = None) -> None:
+        """Ask for ``version`` (the pool's newest) to be sent by ``deadline``."""
+        with self._cond:
+            if version > self._wanted_version:
+                self._wanted_version = version
+                self._deadline = deadline or Deadline(self._timeout)
+                self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._wanted_version <= self._sent_version:
+                    self._cond.wait(1.0)
+                if self._stop:
+                    return
+                deadline = self._deadline or Deadline(self._timeout)
+            snapshot = self._pool.acquire_latest()
+            if snapshot is None:
+                continue
+            try:
+                self._stream(snapshot, deadline)
+            except (ChannelClosed, ChannelTimeout, OSError) as exc:
+                if not self._stop:
+                    what = "timed out" if isinstance(exc, ChannelTimeout) else "failed"
+                    self._on_failure(self.worker_idx, self.channel,
+                                     f"transfer of version {snapshot.version} {what}: {exc}")
+                return
+            finally:
+                self._pool.release(snapshot)
+
+    def _stream(self, snapshot: Snapshot, deadline: Deadline) -> None:
+        if not self._sent_layout:
+            self.channel.send({"t": "mp.layout", "layout": snapshot.layout.to_dict()},
+                              timeout=deadline.slice(10.0))
+            self._sent_layout = True
+        # a deadline that passed while we were busy with an older version still leaves
+        # this transfer a short grace, so a healthy worker is never dropped for it
+        timeout = max(deadline.remaining() or 0.0, 1.0) if deadline.timeout is not None else None
+        self.channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=timeout)
+        with self._cond:
+            self._sent_version = max(self._sent_version, snapshot.version)

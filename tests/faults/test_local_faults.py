@@ -1,0 +1,344 @@
+"""Faults on the same-host schemes, with real processes: goodbyes, stopped and frozen
+workers, forks, models changed under the receiver, close racing an apply, dropped
+senders, and inputs outside the contract. Every wait has a timeout."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from workers import checksum, echo_worker, fill_all, make_model
+
+import weightsync as ws
+from weightsync.transports.local_channel import AddressInUseError
+
+LOCAL = {
+    "shm": ws.SharedMemWeightSyncScheme,
+    "mp": ws.MultiProcessWeightSyncScheme,
+}
+
+
+@pytest.fixture(params=sorted(LOCAL))
+def local_scheme(request: pytest.FixtureRequest) -> Any:
+    return LOCAL[request.param]
+
+
+def _get(out: Any, timeout: float = 30) -> Any:
+    return out.get(timeout=timeout)
+
+
+# ---------------------------------------------------------------- goodbyes
+def goodbye_worker(scheme: Any, idx: int, out: Any, stop: Any, last: int) -> None:
+    model = make_model()
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    receiver.connect(timeout=30)
+    while receiver.version < last:
+        receiver.receive(timeout=30)
+    receiver.close()
+    out.put(("bye", idx, last))
+
+
+def test_a_worker_that_takes_the_last_version_and_closes_is_not_lost(local_scheme, workers, caplog):
+    scheme = local_scheme(num_workers=2, timeout=30)
+    for i in range(2):
+        workers.start(goodbye_worker, scheme, i, 3)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    with caplog.at_level(logging.DEBUG, logger="weightsync"):
+        for _ in range(3):
+            sender.send(timeout=30)
+        assert sorted(_get(workers.out)[1] for _ in range(2)) == [0, 1]
+        time.sleep(0.5)  # let the hub see both hang-ups
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "lost" in r.message]
+    assert any("left" in r.message for r in caplog.records)
+    sender.close()
+
+
+# ---------------------------------------------------------------- deadlines
+def test_send_to_a_stopped_worker_ends_within_its_one_deadline(workers):
+    scheme = ws.MultiProcessWeightSyncScheme(num_workers=2, timeout=30)
+    for i in range(2):
+        workers.start(echo_worker, scheme, i, 512)
+    sender = scheme.create_sender()
+    sender.register_model(make_model(width=512))
+    sender.connect(timeout=30)
+    os.kill(workers.procs[1].pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises((ws.WeightSyncTimeoutError, ws.WorkerLostError)) as info:
+            for _ in range(50):  # until the stopped worker's socket buffer is full
+                sender.send(timeout=2)
+        assert time.monotonic() - t0 < 2 * 50
+        assert info.value.worker_ids == (1,), "only the stopped worker may be blamed"
+        t0 = time.monotonic()
+        with pytest.raises(ws.WeightSyncError):
+            sender.send(timeout=2)
+        assert time.monotonic() - t0 < 3.0, "send(timeout=2) must end within about 2 s"
+    finally:
+        os.kill(workers.procs[1].pid, signal.SIGCONT)
+    sender.close()
+
+
+def test_a_frozen_shared_memory_worker_never_slows_sends(workers):
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=2, timeout=30)
+    for i in range(2):
+        workers.start(echo_worker, scheme, i)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    time.sleep(0.3)  # both are blocked in receive() now
+    os.kill(workers.procs[1].pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        slowest = 0.0
+        for _ in range(15000):  # far more notices than a socket buffer holds
+            s0 = time.monotonic()
+            sender.send(timeout=5)
+            slowest = max(slowest, time.monotonic() - s0)
+        assert slowest < 1.0, f"a send waited {slowest:.2f}s on the frozen worker"
+        assert time.monotonic() - t0 < 60
+    finally:
+        os.kill(workers.procs[1].pid, signal.SIGCONT)
+    sender.close()
+
+
+# ---------------------------------------------------------------- the model changed
+def reassigned_worker(scheme: Any, idx: int, out: Any, stop: Any, how: str) -> None:
+    model = make_model()
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    if how == "assign":
+        fresh = {k: torch.full_like(v, -7.0) for k, v in model.state_dict().items()}
+        model.load_state_dict(fresh, assign=True)
+    else:
+        model[3] = torch.nn.Linear(16, 4)
+    receiver.connect(timeout=30)
+    out.put(("held", idx, receiver.version, checksum(model)))
+    receiver.close()
+
+
+@pytest.mark.parametrize("how", ["assign", "replaced-submodule"])
+def test_a_model_changed_after_register_model_receives_the_weights(local_scheme, workers, how):
+    scheme = local_scheme(num_workers=1, timeout=30)
+    workers.start(reassigned_worker, scheme, 0, how)
+    model = make_model()
+    fill_all(model, 3.0)
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.connect(timeout=30)
+    _, _, version, total = _get(workers.out)
+    assert (version, total) == (0, checksum(model))
+    sender.close()
+
+
+# ---------------------------------------------------------------- fork
+def forking_trainer(scheme: Any, idx: int, out: Any, stop: Any) -> None:
+    """Connect, fork a helper that outlives us, then die without closing anything."""
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    if os.fork() == 0:
+        time.sleep(20)
+        os._exit(0)
+    out.put(("forked", idx, sender.version))
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_receivers_learn_of_a_dead_trainer_whose_fork_keeps_its_sockets(local_scheme, workers):
+    scheme = local_scheme(num_workers=1, timeout=30)
+    receiver = scheme.create_receiver(worker_idx=0)
+    receiver.register_model(make_model())
+    workers.start(forking_trainer, scheme, 99)
+    receiver.connect(timeout=30)
+    assert _get(workers.out)[0] == "forked"
+    t0 = time.monotonic()
+    with pytest.raises(ws.SenderLostError, match="died"):
+        while time.monotonic() - t0 < 10:
+            receiver.receive(timeout=0.2)
+    receiver.close()
+
+
+def test_a_forked_child_closing_its_copy_disconnects_nobody(local_scheme, workers):
+    scheme = local_scheme(num_workers=1, timeout=30)
+    workers.start(echo_worker, scheme, 0)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    assert _get(workers.out)[0] == "connected"
+    pid = os.fork()
+    if pid == 0:
+        sender.close()
+        del sender
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert sender.send(timeout=10) == 1
+    assert _get(workers.out)[:3] == ("version", 0, 1)
+    sender.close()
+
+
+def forking_worker(scheme: Any, idx: int, out: Any, stop: Any) -> None:
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(make_model())
+    receiver.connect(timeout=30)
+    if os.fork() == 0:
+        time.sleep(20)
+        os._exit(0)
+    out.put(("forked", idx, receiver.version))
+    time.sleep(300)
+
+
+def test_a_dead_worker_whose_fork_keeps_its_socket_can_restart(local_scheme, workers):
+    scheme = local_scheme(num_workers=1, timeout=30)
+    workers.start(forking_worker, scheme, 0)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    assert _get(workers.out)[0] == "forked"
+    workers.kill(0)
+    workers.start(echo_worker, scheme, 0)
+    event = _get(workers.out, 20)
+    assert event[:2] == ("connected", 0), event
+    sender.close()
+
+
+# ---------------------------------------------------------------- close racing an apply
+def close_during_poll_worker(scheme: Any, idx: int, out: Any, stop: Any) -> None:
+    model = {"w": torch.zeros(50_000_000)}  # 200 MB: an apply takes a while
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    receiver.connect(timeout=60)
+    while receiver.version < 1:
+        time.sleep(0.01)
+        if receiver._newer_available():
+            break
+    closer = threading.Timer(0.005, receiver.close)
+    closer.start()
+    try:
+        receiver.poll()
+        outcome = "applied"
+    except RuntimeError as exc:
+        outcome = f"refused: {exc}"
+    closer.join(10)
+    out.put(("survived", idx, outcome, float(model["w"][-1])))
+
+
+def test_close_from_another_thread_during_a_large_poll_is_safe(workers):
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=60)
+    workers.start(close_during_poll_worker, scheme, 0)
+    weights = {"w": torch.zeros(50_000_000)}
+    sender = scheme.create_sender()
+    sender.register_model(weights)
+    sender.connect(timeout=60)
+    weights["w"].fill_(1.0)
+    sender.send(timeout=60)
+    event = _get(workers.out, 60)
+    assert event[0] == "survived" and workers.procs[0].exitcode in (None, 0)
+    assert event[3] in (0.0, 1.0)  # one whole version, whatever won the race
+    sender.close()
+
+
+# ---------------------------------------------------------------- dropped senders
+def test_a_dropped_sender_is_collected_and_its_workers_told(local_scheme, workers):
+    scheme = local_scheme(num_workers=1, timeout=30)
+    workers.start(echo_worker, scheme, 0)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    assert _get(workers.out)[0] == "connected"
+    del sender
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.name == "weightsync-hub" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the dropped sender's hub thread is still running"
+        time.sleep(0.05)
+    event = _get(workers.out, 10)
+    assert event[0] == "error" and event[2] == "SenderLostError"
+
+
+# ---------------------------------------------------------------- outside the contract
+def test_inputs_outside_the_contract_get_clear_errors(local_scheme):
+    scheme = local_scheme(num_workers=1, timeout=5)
+    sender = scheme.create_sender()
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        sender.register_model(torch.nn.Linear(4, 4, device="meta"))
+    with pytest.raises(TypeError, match="sparse"):
+        sender.register_model({"w": torch.eye(3).to_sparse()})
+    receiver = scheme.create_receiver(worker_idx=0)
+    with pytest.raises(ValueError, match="meta device"):
+        receiver.register_model(torch.nn.Linear(4, 4, device="meta"))
+    sender.close()
+
+
+def test_a_second_open_sender_of_a_scheme_gets_a_clear_error(local_scheme):
+    scheme = local_scheme(num_workers=1, timeout=5)
+    first = scheme.create_sender()
+    with pytest.raises(AddressInUseError, match="close it first"):
+        scheme.create_sender()
+    first.close()
+    scheme.create_sender().close()  # once the first is closed, a new one works
+
+
+def test_poll_racing_close_raises_only_a_clear_error(local_scheme, workers):
+    scheme = local_scheme(num_workers=1, timeout=30)
+    sender_proc = workers.start(_trainer_sending, scheme, 99)
+    receiver = scheme.create_receiver(worker_idx=0)
+    receiver.register_model(make_model())
+    receiver.connect(timeout=30)
+    errors: list[BaseException] = []
+
+    def poll_forever() -> None:
+        try:
+            while True:
+                receiver.poll()
+        except RuntimeError as exc:
+            errors.append(exc)
+        except BaseException as exc:  # anything else is a bug
+            errors.append(exc)
+
+    thread = threading.Thread(target=poll_forever)
+    thread.start()
+    time.sleep(0.3)
+    receiver.close()
+    thread.join(10)
+    assert len(errors) == 1 and type(errors[0]) is RuntimeError, errors
+    assert "closed" in str(errors[0])
+    sender_proc.kill()
+
+
+def _trainer_sending(scheme: Any, idx: int, out: Any, stop: Any) -> None:
+    model = make_model()
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.connect(timeout=30)
+    while not stop.is_set():
+        fill_all(model, float(sender.version + 1))
+        try:
+            sender.send(timeout=5)
+        except ws.WeightSyncError:
+            pass
+        time.sleep(0.001)
+    sender.close()
+
+
+def test_close_during_a_send_is_not_blamed_on_healthy_workers(workers):
+    scheme = ws.MultiProcessWeightSyncScheme(num_workers=1, timeout=30)
+    workers.start(echo_worker, scheme, 0, 2_000_000)
+    sender = scheme.create_sender()
+    sender.register_model(make_model(width=2_000_000))
+    sender.connect(timeout=30)
+    sender.send_async()
+    sender.close()
+    with pytest.raises(ws.WeightSyncError) as info:
+        sender.wait_async(timeout=10)
+    assert not isinstance(info.value, ws.WorkerLostError), info.value
