@@ -342,3 +342,24 @@ def test_close_during_a_send_is_not_blamed_on_healthy_workers(workers):
     with pytest.raises(ws.WeightSyncError) as info:
         sender.wait_async(timeout=10)
     assert not isinstance(info.value, ws.WorkerLostError), info.value
+
+
+def test_poll_never_blocks_on_a_slot_whose_handle_has_not_arrived():
+    """A worker pointed at a slot whose descriptor is still in flight: ``poll`` (which
+    applies with a zero deadline) returns None at once instead of waiting for it."""
+    from weightsync.core.deadline import Deadline
+    from weightsync.core.layout import Layout
+    from weightsync.transports import shared_mem as shm
+    from weightsync.transports import shm_slots
+
+    layout = Layout.from_weights({"w": torch.zeros(4)})
+    sender_side = shm_slots._SenderModel(layout, max_slots=4)
+    transport = shm.SharedMemTransport()
+    transport._receiver_models["policy"] = shm_slots._ReceiverModel(layout, os.dup(sender_side.control.fd))
+    sender_side.set_target(0, shm_slots._pack_target(3, 2))  # version 3 in slot 2: never announced
+    t0 = time.monotonic()
+    assert transport.apply_latest(0, {"w": torch.zeros(4)}, 0, Deadline(0)) is None
+    assert transport.adopt_latest(0, {"w": torch.zeros(4)}, 0, Deadline(0)) is None
+    assert time.monotonic() - t0 < 0.5
+    transport.close()
+    sender_side.close()

@@ -11,7 +11,9 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
-from weightsync.schemes.local import LocalReceiver, LocalScheme, LocalSender
+from weightsync.schemes.local import LocalScheme
+from weightsync.schemes.local_receiver import LocalReceiver
+from weightsync.schemes.local_sender import LocalSender
 from weightsync.transports.local_channel import Channel, Message
 from weightsync.transports.multiprocess import MPTransport
 from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer

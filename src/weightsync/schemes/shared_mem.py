@@ -11,7 +11,9 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy
-from weightsync.schemes.local import LocalReceiver, LocalScheme, LocalSender
+from weightsync.schemes.local import LocalScheme
+from weightsync.schemes.local_receiver import LocalReceiver
+from weightsync.schemes.local_sender import LocalSender
 from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
 from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
 

@@ -12,13 +12,11 @@ pipes on the first send, so workers may start before any weights exist.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,145 +26,25 @@ from weightsync.core.errors import SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.cuda_ipc import open_cuda_buffer, share_cuda_buffer
 from weightsync.transports.local_channel import Channel, ChannelClosed, Message
-from weightsync.transports.shared_memory import Segment
+from weightsync.transports.shm_slots import (
+    _APPLIED_BASE,
+    _HEADER_WORDS,
+    _IDX_CLOSED,
+    _IDX_LATEST,
+    _MAX_WORKERS,
+    _WAITING_BASE,
+    DEFAULT_MODEL_ID,
+    _lock,
+    _pack_target,
+    _ReceiverModel,
+    _SenderModel,
+    _Slot,
+    _unlock,
+    _unpack_target,
+)
 
 logger = logging.getLogger(__name__)
-
-_MAGIC = 0x5753594E43  # "WSYNC"
-_SLOT_SPACE = 1024  # a target packs (version, slot) as version * _SLOT_SPACE + slot
-_MAX_WORKERS = 1024
-_HEADER_WORDS = 8
-_IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED = 0, 1, 2
-_LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
-_WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
-_APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
-_CONTROL_NBYTES = (_HEADER_WORDS + 3 * _MAX_WORKERS) * 8
-DEFAULT_MODEL_ID = "policy"
-
-
-def _pack_target(version: int, slot: int) -> int:
-    return version * _SLOT_SPACE + slot
-
-
-def _unpack_target(packed: int) -> tuple[int, int]:
-    return divmod(packed, _SLOT_SPACE)
-
-
-def _lock(fd: int, slot: int, exclusive: bool) -> bool:
-    """Try to take the slot's lock without blocking; True on success."""
-    kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    try:
-        fcntl.lockf(fd, kind | fcntl.LOCK_NB, 1, _LOCK_BASE + slot, 0)
-        return True
-    except OSError:
-        return False
-
-
-def _unlock(fd: int, slot: int) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, 1, _LOCK_BASE + slot, 0)
-
-
-@dataclass
-class _Slot:
-    """One full copy of the weights: a buffer per device of the layout."""
-
-    index: int
-    buffers: dict[str, torch.Tensor]
-    segments: dict[str, Segment] = field(default_factory=dict)  # CPU buffers only
-
-    def close(self) -> None:
-        self.buffers.clear()
-        for seg in self.segments.values():
-            seg.close()
-        self.segments.clear()
-
-
-class _SenderModel:
-    """The sender's shared state for one model id: control block and slot pool."""
-
-    def __init__(self, layout: Layout, max_slots: int) -> None:
-        self.layout = layout
-        self.max_slots = max_slots
-        self.control = Segment.create(_CONTROL_NBYTES)
-        self.ctrl = self.control.view_int64()
-        self.ctrl[_IDX_MAGIC] = _MAGIC
-        self.ctrl[_IDX_LATEST] = -1
-        for w in range(_MAX_WORKERS):
-            self.ctrl[_HEADER_WORDS + w] = -1
-            self.ctrl[_APPLIED_BASE + w] = NO_VERSION
-        self.slots: list[_Slot] = []
-        self.version = NO_VERSION
-
-    def new_slot(self) -> _Slot:
-        slot = _Slot(len(self.slots), {})
-        for device, nbytes in self.layout.nbytes_by_device.items():
-            if device == "cpu":
-                seg = Segment.create(nbytes)
-                slot.segments[device] = seg
-                assert seg.tensor is not None
-                slot.buffers[device] = seg.tensor
-            else:
-                slot.buffers[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.slots.append(slot)
-        return slot
-
-    def slot_message(self, slot: _Slot, model_id: str) -> tuple[dict[str, Any], list[int]]:
-        devices = {d: (None if d == "cpu" else share_cuda_buffer(b)) for d, b in slot.buffers.items()}
-        fds = [slot.segments["cpu"].fd] if "cpu" in slot.segments else []
-        return {"t": "shm.slot", "model_id": model_id, "index": slot.index, "devices": devices}, fds
-
-    def target(self, worker_idx: int) -> int:
-        return self.ctrl[_HEADER_WORDS + worker_idx]
-
-    def waiting(self, worker_idx: int) -> bool:
-        return self.ctrl[_WAITING_BASE + worker_idx] != 0
-
-    def set_target(self, worker_idx: int, packed: int) -> None:
-        self.ctrl[_HEADER_WORDS + worker_idx] = packed
-
-    def applied(self, worker_idx: int) -> int:
-        return self.ctrl[_APPLIED_BASE + worker_idx]
-
-    def close(self) -> None:
-        self.ctrl[_IDX_CLOSED] = 1
-        self.ctrl.release()
-        for slot in self.slots:
-            slot.close()
-        self.control.close()
-
-
-class _ReceiverModel:
-    """A worker's mapping of one model id's control block and slots."""
-
-    def __init__(self, layout: Layout, control_fd: int) -> None:
-        self.layout = layout
-        self.control = Segment.attach(control_fd, _CONTROL_NBYTES, writable=True)
-        self.ctrl = self.control.view_int64()
-        self.slots: dict[int, _Slot] = {}
-        self.dest_cache: tuple[int, dict[str, torch.Tensor]] | None = None
-        self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
-
-    def add_slot(self, message: Message) -> None:
-        header = message.header
-        slot = _Slot(int(header["index"]), {})
-        fds = list(message.fds)
-        for device, handle in header["devices"].items():
-            if device == "cpu":
-                seg = Segment.attach(fds.pop(0), self.layout.nbytes_by_device["cpu"])
-                slot.segments["cpu"] = seg
-                assert seg.tensor is not None
-                slot.buffers["cpu"] = seg.tensor
-            else:
-                slot.buffers[device] = open_cuda_buffer(handle)
-        self.slots[slot.index] = slot
-
-    def close(self) -> None:
-        self.ctrl.release()
-        for slot in self.slots.values():
-            slot.close()
-        self.control.close()
 
 
 class SharedMemTransport:
@@ -464,82 +342,33 @@ class SharedMemTransport:
         """Copy the newest version published for ``worker_idx`` into ``dest`` if it is newer
         than ``held_version``; returns it, or None if there is nothing newer (or its slot's
         handle has not arrived by ``deadline``: ``Deadline(0)`` never blocks)."""
-        model = self._receiver_models[model_id]
-        while True:
-            packed = model.ctrl[_HEADER_WORDS + worker_idx]
-            if packed < 0:
-                return None
-            version, index = _unpack_target(packed)
-            if version == held_version:
-                return None
-            slot = model.slots.get(index)
-            if slot is None:  # its handle is still on the way
-                with self._lock:
-                    if pump is not None:
-                        self._lock.release()
-                        try:
-                            pump(deadline.slice(0.05))
-                        finally:
-                            self._lock.acquire()
-                    else:
-                        self._slot_arrived.wait(deadline.slice(0.05))
-                if deadline.expired():
-                    return None  # its handle is not here yet: a later call applies it
-                continue
-            if not _lock(model.control.fd, index, exclusive=False):
-                continue  # the sender is rewriting that slot: our target has moved on
-            try:
-                if model.ctrl[_HEADER_WORDS + worker_idx] != packed:
-                    continue
-                model.layout.unpack(slot.buffers, dest)
-                for device in slot.buffers:
-                    if device != "cpu":
-                        torch.cuda.synchronize(device)
-            finally:
-                _unlock(model.control.fd, index)
-            model.ctrl[_APPLIED_BASE + worker_idx] = version
-            return version
+        return self._receiver_models[model_id].copy_newest(
+            worker_idx, dest, held_version, deadline, lambda d: self._wait_for_slot(d, pump)
+        )
 
     def adopt_latest(
         self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
         deadline: Deadline, model_id: str = DEFAULT_MODEL_ID,
     ) -> int | None:
-        """Zero-copy apply: point every tensor of ``dest`` (``.data``) at views into the
-        newest slot published for ``worker_idx``, if newer than ``held_version``.
+        """Zero-copy apply: point every tensor of ``dest`` (``.data``) at read-only views
+        into the newest slot published for ``worker_idx``, if newer than ``held_version``
+        (see ``_ReceiverModel.adopt_newest``)."""
+        return self._receiver_models[model_id].adopt_newest(
+            worker_idx, dest, held_version, deadline, lambda d: self._wait_for_slot(d, None)
+        )
 
-        The worker then holds that slot's shared lock until its next adopt (or close), so
-        the sender never rewrites memory the model reads; the slot it held before is let
-        go. On the CPU the views live in a read-only mapping: a stray write into the
-        model's weights is a crash (SIGSEGV), never a change seen by other workers."""
-        model = self._receiver_models[model_id]
-        while True:
-            packed = model.ctrl[_HEADER_WORDS + worker_idx]
-            if packed < 0:
-                return None
-            version, index = _unpack_target(packed)
-            if version == held_version:
-                return None
-            slot = model.slots.get(index)
-            if slot is None:  # its handle is still on the way
-                with self._lock:
-                    self._slot_arrived.wait(deadline.slice(0.05))
-                if deadline.expired():
-                    return None
-                continue
-            if index != model.held_slot and not _lock(model.control.fd, index, exclusive=False):
-                continue  # the sender is rewriting that slot: our target has moved on
-            if model.ctrl[_HEADER_WORDS + worker_idx] != packed:
-                if index != model.held_slot:
-                    _unlock(model.control.fd, index)
-                continue
-            views = model.layout.tensor_views(slot.buffers)
-            for name, tensor in dest.items():
-                tensor.data = views[name]
-            if model.held_slot is not None and model.held_slot != index:
-                _unlock(model.control.fd, model.held_slot)
-            model.held_slot = index
-            model.ctrl[_APPLIED_BASE + worker_idx] = version
-            return version
+    def _wait_for_slot(self, deadline: Deadline, pump: Any) -> None:
+        """Wait a little for a slot's handle still on its way (read by ``pump`` when no
+        background thread reads the channel)."""
+        with self._lock:
+            if pump is not None:
+                self._lock.release()
+                try:
+                    pump(deadline.slice(0.05))
+                finally:
+                    self._lock.acquire()
+            else:
+                self._slot_arrived.wait(deadline.slice(0.05))
 
     def setup_connection_and_weights_on_receiver(
         self,
