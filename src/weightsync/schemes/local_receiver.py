@@ -133,6 +133,7 @@ class LocalReceiver(WeightReceiver):
             self._cond.notify_all()
 
     def _applied(self, version: int) -> int:
+        logger.debug("worker %d applied version %d", self.worker_idx, version)
         self._version = version
         if not self._ack_on_delivery:
             self._confirm_applied(version)
@@ -145,6 +146,8 @@ class LocalReceiver(WeightReceiver):
                 self._channel.send({"t": "ack", "v": version}, timeout=1.0)
 
     def _set_sender_lost(self, why: str) -> None:
+        if self._sender_lost is None:
+            logger.warning("worker %d: %s", self.worker_idx, why)
         with self._cond:
             self._sender_lost = why
             self._cond.notify_all()
@@ -232,6 +235,7 @@ class LocalReceiver(WeightReceiver):
                     f"worker {self.worker_idx}: no weights arrived within {deadline}"
                 )
         channel.send({"t": "ack", "v": self._version}, timeout=deadline.slice(10.0))
+        logger.info("worker %d connected, holds version %d", self.worker_idx, self._version)
         return self._version
 
     def _check_not_closed(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from weightsync.core.deadline import Deadline
+from weightsync.core.deadline import Deadline, human_duration
 from weightsync.core.errors import (
     SchemaMismatchError,
     WeightSyncError,
@@ -45,6 +45,9 @@ from weightsync.transports.local_hub import HUB_TICK as _HUB_TICK
 from weightsync.transports.local_hub import Hub
 
 logger = logging.getLogger(__name__)
+
+#: a send that takes longer than this is logged at INFO (others at DEBUG)
+SLOW_SEND_SECONDS = 1.0
 
 
 @dataclass
@@ -351,6 +354,10 @@ class LocalSender(WeightSender):
             self._pending = None
         self._stats.add(SendRecord(pending.version, tuple(pending.targets), pending.nbytes,
                                    pending.phases))
+        elapsed = time.perf_counter() - pending.started
+        log = logger.info if elapsed > SLOW_SEND_SECONDS else logger.debug
+        log("version %d sent to worker(s) %s in %s%s", pending.version, pending.targets,
+            human_duration(elapsed), " (slow)" if elapsed > SLOW_SEND_SECONDS else "")
         if pending.lost:
             ids = sorted(pending.lost)
             self._reported.update(ids)
