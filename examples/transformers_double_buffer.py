@@ -1,14 +1,19 @@
 """A transformers causal LM trained in one process and served from a directory of
 double-buffered safetensors slots by another (what a vLLM engine does via the extension).
 
-Run: python examples/transformers_double_buffer.py [--steps N] [--directory DIR]
+Run: python examples/transformers_double_buffer.py [--steps N] [--directory DIR] [--keep]
+
+By default the slots live in a new private folder in /dev/shm that is removed at the end
+(``--keep`` leaves it for inspection; a ``--directory`` you name is always left in place).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -42,32 +47,51 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--directory", default=None, help="default: a new folder in /dev/shm")
+    parser.add_argument("--keep", action="store_true", help="keep the default folder at the end")
     args = parser.parse_args()
-    directory = args.directory or tempfile.mkdtemp(prefix="weightsync-example-", dir="/dev/shm")
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    directory = args.directory or tempfile.mkdtemp(prefix="weightsync-example-", dir=shm)
+    print(f"slots in {directory}")
+    try:
+        train_and_serve(directory, args.steps)
+    finally:
+        if args.directory is None and not args.keep:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            print(f"the slots stay in {directory}")
+
+
+def train_and_serve(directory: str, steps: int) -> None:
+    """Train a few steps, sending each version to a server process; print what it serves."""
     scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, dtype=torch.bfloat16)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=server, args=(scheme, out))
     proc.start()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.randint(0, CONFIG["vocab_size"], (4, 16))
-    with scheme.create_sender() as sender:
-        sender.register_model(model)
-        sender.connect(timeout=120)
-        for _ in range(args.steps):
-            loss = model(input_ids=data, labels=data).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            version = sender.send(timeout=60)  # returns once the server has applied it
-            print(f"step loss {loss.item():.3f} -> served version {version}")
-        served = None
-        while served is None or served[0] != version:
-            served = out.get(timeout=60)
-        print(f"server generates {served[1]} with version {served[0]} (bf16 slots in {directory})")
-    proc.join(30)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.randint(0, CONFIG["vocab_size"], (4, 16))
+        with scheme.create_sender() as sender:
+            sender.register_model(model)
+            sender.connect(timeout=120)
+            for _ in range(steps):
+                loss = model(input_ids=data, labels=data).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                version = sender.send(timeout=60)  # returns once the server has applied it
+                print(f"step loss {loss.item():.3f} -> served version {version}")
+            served = None
+            while served is None or served[0] != version:
+                served = out.get(timeout=60)
+            print(f"server generates {served[1]} with version {served[0]} (bf16 slots)")
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
 
 
 if __name__ == "__main__":

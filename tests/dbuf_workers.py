@@ -71,3 +71,25 @@ def llm_receiver(scheme: Any, idx: int, out: Any, stop: Any, config: dict, promp
                                         pad_token_id=0)
             out.put(("generated", last, tokens[0].tolist()))
     receiver.close()
+
+
+def late_echo_worker(scheme: Any, idx: int, out: Any, stop: Any, delay: float) -> None:
+    """A worker restarting after ``delay`` seconds: connect, report, then follow versions."""
+    time.sleep(delay)
+    from workers import echo_worker
+
+    echo_worker(scheme, idx, out, stop)
+
+
+def hold_slot_locks(paths: list[str], exclusive: bool, out: Any, stop: Any) -> None:
+    """A reader (or a stuck writer) that holds ``fcntl`` locks on slot files until stopped."""
+    import fcntl
+    import os
+
+    fds = [os.open(p, os.O_RDWR) for p in paths]
+    for fd in fds:
+        fcntl.lockf(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    out.put(("locked", len(fds)))
+    stop.wait(60)
+    for fd in fds:
+        os.close(fd)

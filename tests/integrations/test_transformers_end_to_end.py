@@ -4,6 +4,9 @@ another process through the double buffer: greedy generations must match token f
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,6 +61,20 @@ def test_trained_llm_generates_identically_on_the_receiver(workers):
             assert len(set(expected[len(PROMPT):])) > 1, "a degenerate generation proves little"
     finally:
         workers.stop.set()
-        for child in directory.iterdir():
-            child.unlink()
-        directory.rmdir()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_example_leaves_no_directory_behind():
+    """The example's slots live in a folder of its own in /dev/shm, removed when it ends."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm here")
+    script = Path(__file__).parents[2] / "examples" / "transformers_double_buffer.py"
+    result = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "served version 1" in result.stdout
+    used = Path(result.stdout.split("slots in ", 1)[1].split()[0])
+    assert used.parent == shm and used.name.startswith("weightsync-example-")
+    assert not used.exists()

@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -26,9 +27,7 @@ def directory(tmp_path_factory):
 
     path = Path(tempfile.mkdtemp(prefix="ws-test-", dir=base))
     yield path
-    for child in path.iterdir():
-        child.unlink()
-    path.rmdir()
+    shutil.rmtree(path)
 
 
 def manifest(directory):
@@ -278,3 +277,103 @@ def test_one_sender_per_directory(directory):
     scheme = ws.VLLMDoubleBufferSyncScheme(directory)
     with scheme.create_sender(), pytest.raises(RuntimeError, match="another sender"):
         ws.VLLMDoubleBufferSyncScheme(directory).create_sender()
+
+
+def _filled(value: float) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((64,), value) for i in range(3)}
+
+
+def test_newest_committed_and_apply_version(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=2, timeout=10)
+    local = _filled(-1.0)
+    receiver = scheme.create_receiver(1)
+    receiver.register_model(local)
+    assert receiver.newest_committed() is None  # nothing committed yet
+    with scheme.create_sender() as sender:
+        sender.register_model(_filled(0.0))
+        sender.update_weights()
+        sender.update_weights(_filled(1.0))
+        assert receiver.newest_committed() == 1
+        assert receiver.version == -1  # reading the manifest applies nothing
+        assert all(bool((t == -1.0).all()) for t in local.values())
+        assert receiver.apply_version(0) == 0  # exactly that version, not the newest
+        assert receiver.version == 0 and all(bool((t == 0.0).all()) for t in local.values())
+        assert json.loads((directory / "ack-1.json").read_text())["version"] == 0
+        assert receiver.apply_version(1, timeout=5) == 1
+        assert all(bool((t == 1.0).all()) for t in local.values())
+        sender.update_weights(_filled(3.0))
+        sender.update_weights(_filled(4.0))  # versions 0 and 1 are overwritten by now
+        assert receiver.newest_committed() == 3
+        for gone in (0, 99):
+            with pytest.raises(ws.WeightSyncError, match=f"worker 1: version {gone} is not in any slot"):
+                receiver.apply_version(gone)
+        assert receiver.version == 1 and all(bool((t == 1.0).all()) for t in local.values())
+    receiver.close()
+
+
+def test_newest_committed_follows_worker_ids(directory, workers):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=2, timeout=30)
+    workers.start(echo_worker, scheme, 0)
+    model = make_model()
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        sender.update_weights()
+        assert drain(workers.out, 1)[0][1:3] == (0, 0)
+        assert sender.send(worker_ids=[0], timeout=30) == 1
+        held_back = scheme.create_receiver(1)
+        held_back.register_model(make_model())
+        assert held_back.newest_committed() == 0  # worker 1 was not named
+        assert held_back.apply_version(0) == 0
+        with pytest.raises(ws.WeightSyncError, match="worker 1: version 5 is not in any slot"):
+            held_back.apply_version(5)
+        assert held_back.version == 0
+        held_back.close()
+
+
+@pytest.mark.parametrize("change", ["assign", "submodule"])
+def test_receiver_follows_a_model_changed_after_register(directory, change):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, timeout=10)
+    source = make_model()
+    with scheme.create_sender() as sender:
+        sender.register_model(source)
+        sender.update_weights()
+        local = make_model()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(local)
+        assert receiver.connect(timeout=5) == 0
+        if change == "assign":
+            local.load_state_dict({k: torch.zeros_like(v) for k, v in local.state_dict().items()},
+                                  assign=True)
+        else:
+            local[0] = torch.nn.Linear(8, 16)
+        with torch.no_grad():
+            for t in source.state_dict().values():
+                t.fill_(7)
+        assert sender.update_weights() == 1
+        assert receiver.poll() == 1
+        for name, tensor in local.state_dict().items():  # the tensors the model uses now
+            assert bool((tensor == 7).all()), name
+        receiver.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_weights_use_slots_registered_with_cuda(directory):
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, timeout=30, dtype=torch.bfloat16)
+    source = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(16, device="cuda")}
+    local = {k: torch.zeros_like(v) for k, v in source.items()}
+    sender = scheme.create_sender()
+    sender.register_model(source)
+    sender.update_weights()
+    writer_slots = list(sender._writer._slots.values())
+    assert writer_slots and all(s.cuda_registered for s in writer_slots)  # pinned D2H copies
+    receiver = scheme.create_receiver(0)
+    receiver.register_model(local)
+    assert receiver.connect(timeout=30) == 0
+    reader_slots = list(receiver._reader._slots.values())
+    assert reader_slots and all(s.cuda_registered for s in reader_slots)  # pinned H2D copies
+    for name, tensor in source.items():
+        assert torch.equal(local[name], tensor.bfloat16().float()), name
+    receiver.close()
+    sender.close()
+    assert not any(s.cuda_registered for s in writer_slots + reader_slots)  # unregistered

@@ -49,3 +49,11 @@ class IntegrityError(WeightSyncError):
 
 class SenderLostError(WeightSyncError):
     """The trainer a receiver was connected to died or closed the connection."""
+
+
+class UnsafeDirectoryError(WeightSyncError, PermissionError):
+    """A sync directory belongs to, or is writable by, another user; nothing was touched."""
+
+
+class UnsafeFileError(IntegrityError):
+    """A file of the sync directory is a symlink, a FIFO or another non-regular file."""

@@ -110,9 +110,11 @@ class WeightSender(_Closable, abc.ABC):
 
     @abc.abstractmethod
     def send_async(
-        self, weights: Any = None, worker_ids: int | list[int] | None = None
+        self, weights: Any = None, worker_ids: int | list[int] | None = None,
+        timeout: float | None = None,
     ) -> None:
-        """Snapshot the weights now and start delivering them; finish with ``wait_async``."""
+        """Snapshot the weights now and start delivering them; finish with ``wait_async``.
+        ``timeout`` bounds this call (a slot may be held by a slow reader)."""
 
     @abc.abstractmethod
     def wait_async(self, timeout: float | None = None) -> int:
@@ -177,7 +179,7 @@ class WeightReceiver(_Closable, abc.ABC):
             raise RuntimeError(
                 f"worker {self.worker_idx}: call register_model(model) before connect()"
             )
-        if self._model is not None and isinstance(self._model, torch.nn.Module):
+        if self._model is not None:
             fresh = flat_tensors(self._model, what=f"worker {self.worker_idx}'s model")
             if fresh.keys() != self._dest.keys() or any(
                 fresh[k] is not t and (fresh[k].shape != t.shape or fresh[k].dtype != t.dtype

@@ -59,7 +59,6 @@ class _PendingSend:
     nbytes: int
     phases: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
-    thread: threading.Thread | None = None
     error: BaseException | None = None
 
 
@@ -107,8 +106,6 @@ class LocalSender(WeightSender):
     def _close_transport(self) -> None:
         """Release the transport's resources."""
 
-    #: deliver in a thread of its own after send_async (streams); else inline (notices)
-    _deliver_in_background = False
     #: a version counts as delivered once each worker acked it (streams); else once
     #: published, which for shared memory means the worker's next poll() takes it
     _delivery_needs_ack = True
@@ -266,22 +263,25 @@ class LocalSender(WeightSender):
                     )
                 self._cond.wait(deadline.slice(_HUB_TICK))
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        self._start_send(weights, worker_ids, self._deadline(None),
-                         background=self._deliver_in_background)
+    def send_async(
+        self, weights: Any = None, worker_ids: int | list[int] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self._start_send(weights, worker_ids, self._deadline(timeout))
 
     def send(
         self, weights: Any = None, worker_ids: int | list[int] | None = None,
         timeout: float | None = None,
     ) -> int:
         deadline = self._deadline(timeout)
-        self._start_send(weights, worker_ids, deadline, background=False)
+        self._start_send(weights, worker_ids, deadline)
         return self._finish_send(deadline)
 
     def _start_send(
-        self, weights: Any, worker_ids: int | list[int] | None, deadline: Deadline, *,
-        background: bool,
+        self, weights: Any, worker_ids: int | list[int] | None, deadline: Deadline,
     ) -> None:
+        """Snapshot and publish now; delivery never blocks on a worker (a notice, or an
+        offer to the worker's streamer), so ``send_async`` returns once published."""
         self._check_open()
         if self._pending is not None:
             raise RuntimeError("a send_async() is still pending: call wait_async() first")
@@ -307,14 +307,7 @@ class LocalSender(WeightSender):
             self._table.published = version
         pending.phases["publish"] = time.perf_counter() - t0
         self._pending = pending
-        if background:
-            pending.thread = threading.Thread(
-                target=self._deliver_pending, args=(pending, deadline),
-                name="weightsync-deliver", daemon=True,
-            )
-            pending.thread.start()
-        else:
-            self._deliver_pending(pending, deadline)
+        self._deliver_pending(pending, deadline)
 
     def _deliver_pending(self, pending: _PendingSend, deadline: Deadline) -> None:
         t0 = time.perf_counter()
@@ -337,13 +330,6 @@ class LocalSender(WeightSender):
                 raise WeightSyncError(
                     f"the sender was closed while version {pending.version} was being sent"
                 )
-            if pending.thread is not None:
-                pending.thread.join(deadline.remaining())
-                if pending.thread.is_alive():
-                    raise WeightSyncTimeoutError(
-                        f"version {pending.version} was not delivered within {deadline}",
-                        worker_ids=pending.targets,
-                    )
             if pending.error is not None:
                 raise pending.error
             if self._delivery_needs_ack:
@@ -437,9 +423,6 @@ class LocalSender(WeightSender):
         if self._forked_copy:
             return
         self._hub.stop()
-        pending = self._pending
-        if pending is not None and pending.thread is not None:
-            pending.thread.join(5.0)
         with self._cond:
             channels = list(self._channels.values())
             self._channels.clear()

@@ -1,0 +1,131 @@
+"""A worker's end of the directory protocol: find a committed version, lock and verify its
+slot, acknowledge what was applied. Never blocks: each step either succeeds or says why not."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from weightsync.core.errors import IntegrityError
+from weightsync.transports.directory import (
+    Ack,
+    Commit,
+    Manifest,
+    ManifestCache,
+    SlotFile,
+    ack_path,
+    bucket_checksums,
+    close_slots,
+    sender_alive,
+    slot_path,
+)
+from weightsync.transports.directory_files import check_directory, write_json_atomic
+
+#: How long a reader trusts that the sender it saw alive still is (seconds).
+ALIVE_RECHECK_S = 0.05
+
+
+class DirectoryReader:
+    """Reads committed versions of one directory for worker ``worker_idx``."""
+
+    def __init__(self, directory: Path, worker_idx: int, *, mode: int) -> None:
+        self.directory = directory
+        self.worker_idx = worker_idx
+        self.mode = mode
+        self._checked = False
+        self._slots: dict[int, SlotFile] = {}
+        self._host = socket.gethostname()
+        self._pin = False
+        self._alive_at = float("-inf")
+        self._manifests = ManifestCache(directory)
+        self._ack_path = ack_path(directory, worker_idx)
+
+    def manifest(self) -> Manifest | None:
+        """The committed manifest; None while the directory or its manifest does not exist."""
+        if not self._checked:
+            try:
+                check_directory(self.directory, self.mode)
+            except FileNotFoundError:
+                return None
+            self._checked = True
+        return self._manifests.read()
+
+    def _slot(self, index: int) -> SlotFile:
+        """The mapped slot ``index``, reopened if the file was replaced since."""
+        path = slot_path(self.directory, index)
+        slot = self._slots.get(index)
+        try:
+            inode = os.lstat(path).st_ino
+        except FileNotFoundError as exc:
+            raise IntegrityError(f"the manifest names {path}, which does not exist") from exc
+        if slot is None or slot.inode != inode:
+            if slot is not None:
+                slot.close()
+                del self._slots[index]
+            slot = SlotFile.open(path)
+            self._slots[index] = slot
+            if self._pin:
+                slot.register_with_cuda()
+        return slot
+
+    @contextlib.contextmanager
+    def locked(self, commit: Commit) -> Iterator[SlotFile | None]:
+        """The slot of ``commit`` under a shared lock, checked against the manifest read
+        after locking (so the writer cannot reuse it while it is read) and verified by
+        checksum; None if the slot is being written or the manifest no longer holds
+        ``commit``'s version there. :class:`IntegrityError` if the bytes do not match."""
+        slot = self._slot(commit.slot)
+        if not slot.try_lock(exclusive=False):
+            yield None
+            return
+        try:
+            manifest = self._manifests.read()
+            record = manifest.slots.get(commit.slot) if manifest else None
+            if manifest is None or record is None or record.version != commit.version:
+                yield None
+                return
+            self._verify(manifest, slot, commit)
+            yield slot
+        finally:
+            slot.unlock()
+
+    def _verify(self, manifest: Manifest, slot: SlotFile, commit: Commit) -> None:
+        where = f"worker {self.worker_idx}, version {commit.version}, {slot.path}"
+        if manifest.fingerprint != slot.layout.fingerprint:
+            raise IntegrityError(f"{where}: the slot's layout does not match the manifest")
+        if os.fstat(slot.fd).st_size < slot.data.storage_offset() + slot.data.numel():
+            raise IntegrityError(f"{where}: the slot file is truncated")
+        expected = list(manifest.slots[commit.slot].checksums)
+        actual = bucket_checksums(slot.layout, slot.data)
+        if expected != actual:
+            bad = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=False)) if a != b), "count")
+            raise IntegrityError(f"{where}: checksum mismatch in bucket {bad}")
+
+    def ack(self, version: int) -> None:
+        """Record that this worker holds ``version`` (atomically, never through a symlink)."""
+        write_json_atomic(self._ack_path,
+                          Ack(version, os.getpid(), self._host).to_json(),
+                          mode=self.mode, durable=False)
+
+    def sender_alive(self) -> bool:
+        """Whether a live sender holds the directory's lock; a positive answer is reused
+        for :data:`ALIVE_RECHECK_S`, so a tight ``poll()`` loop costs no extra system calls."""
+        now = time.monotonic()
+        if now - self._alive_at < ALIVE_RECHECK_S:
+            return True
+        alive = sender_alive(self.directory)
+        self._alive_at = now if alive else float("-inf")
+        return alive
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock every mapped slot (and those mapped later) for host-to-device copies."""
+        self._pin = True
+        for slot in self._slots.values():
+            slot.register_with_cuda()
+
+    def close(self) -> None:
+        close_slots(self._slots)
