@@ -1,0 +1,30 @@
+"""weightsync for vLLM: keep a running engine's weights in sync with a trainer through a
+double-buffered directory (``VLLMDoubleBufferSyncScheme``).
+
+Two ways in, both tested against a real vLLM engine (see docs/vllm.md):
+
+* the worker extension, with one driver-side call per update::
+
+      llm = LLM(model=..., worker_extension_cls=EXTENSION_CLS)
+      connect_engine(llm, "/dev/shm/policy")        # every worker loads the newest version
+      version = update_engine(llm)                   # pause, load one version on every rank,
+                                                     # reset the prefix cache, label, resume
+
+* weightsync as a vLLM weight-transfer backend (``WeightTransferConfig(backend="weightsync")``),
+  registered through the ``vllm.general_plugins`` entry point and driven with vLLM's own
+  ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update`` calls (``weightsync.integrations.vllm.backend``).
+
+Importing this package does not import vLLM.
+"""
+
+from weightsync.integrations.vllm.driver import connect_engine, engine_versions, update_engine
+from weightsync.integrations.vllm.extension import EXTENSION_CLS, WeightSyncWorkerExtension
+
+__all__ = [
+    "EXTENSION_CLS",
+    "WeightSyncWorkerExtension",
+    "connect_engine",
+    "engine_versions",
+    "update_engine",
+]

@@ -1,0 +1,103 @@
+"""weightsync as a vLLM weight-transfer backend, on a real vLLM engine (CPU build): selected
+with ``WeightTransferConfig(backend="weightsync")`` (the ``vllm.general_plugins`` entry point
+registers it in every vLLM process) and driven with vLLM's own calls."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import vllm_model as vm
+
+import weightsync as ws
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def _rounded_copy(model, dtype: torch.dtype):
+    copy = vm.build_model()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+    return copy
+
+
+def test_the_plugin_registers_the_backend_in_this_process():
+    pytest.importorskip("vllm", reason="vLLM is not installed; bash scripts/env.sh installs it")
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from weightsync.integrations.vllm.backend import WeightSyncWeightTransferEngine
+
+    assert WeightTransferEngineFactory._registry["weightsync"]() is WeightSyncWeightTransferEngine
+
+
+def test_vllm_calls_load_the_named_version(served, directory: Path):
+    """The engine was started with backend="weightsync": its worker process loaded the plugin
+    (vLLM refuses an unregistered backend name at start-up)."""
+    llm, trainer = served.llm, vm.build_model()
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1)
+    with scheme.create_sender() as sender:
+        sender.register_model(trainer)
+        sender.update_weights()
+        llm.init_weight_transfer_engine({"init_info": {"directory": str(directory)}})
+        for step in (1, 2):
+            vm.perturb(trainer, step)
+            version = sender.update_weights()
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": version}})
+            llm.finish_weight_update(weight_version=str(version))
+            llm.reset_prefix_cache()
+            assert vm.vllm_greedy(llm) == vm.transformers_greedy(trainer)
+            assert llm.get_weight_version() == str(version)
+        for step in (3, 4, 5):  # the engine's slot (version 2) is kept; version 3's is rewritten
+            vm.perturb(trainer, step)
+            sender.update_weights()
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="version 3 is not in any slot"):
+            llm.update_weights({"update_info": {"version": 3}})  # vLLM ends the update
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {}})  # no version named: the newest committed
+        llm.finish_weight_update(weight_version="5")
+        llm.reset_prefix_cache()
+        assert vm.vllm_greedy(llm) == vm.transformers_greedy(trainer)
+
+
+def test_trainer_engine_drives_a_whole_update_with_bfloat16_slots(served, directory: Path):
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm.backend import OfflineLLMClient, WeightSyncTrainerInitInfo
+
+    llm, trainer = served.llm, vm.build_model()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightSyncTrainerInitInfo(rank=0, directory=str(directory), dtype="bfloat16"),
+        client=OfflineLLMClient(llm), source=ModuleSource(trainer),
+    )
+    try:
+        assert engine.version == 0
+        for step in (1, 2):
+            vm.perturb(trainer, step)
+            engine.send_weights()
+            assert engine.version == step
+            assert llm.get_weight_version() == str(step)
+            assert vm.vllm_greedy(llm) == vm.transformers_greedy(_rounded_copy(trainer, torch.bfloat16))
+    finally:
+        engine.shutdown()
+
+
+def test_bad_directories_fail_init_clearly(served, directory: Path):
+    llm = served.llm
+    started = time.monotonic()
+    with pytest.raises(Exception, match="no committed weights"):
+        llm.init_weight_transfer_engine({"init_info": {"directory": str(directory), "timeout": 2.0}})
+    assert time.monotonic() - started < 60
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1)
+    with scheme.create_sender() as sender:
+        sender.register_model(vm.build_model(num_key_value_heads=4))
+        sender.update_weights()
+        with pytest.raises(Exception, match="layout mismatch: 'model.layers.0.self_attn.k_proj"):
+            llm.init_weight_transfer_engine({"init_info": {"directory": str(directory)}})

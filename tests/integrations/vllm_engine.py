@@ -1,0 +1,66 @@
+"""Lifecycle helpers for the real vLLM engines of the tests: skip without vLLM, fresh
+directories in /dev/shm, and a shutdown that leaves no process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def vllm_or_skip() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        pytest.skip(f"vLLM is not installed ({exc}); bash scripts/env.sh installs the CPU build")
+    return vllm
+
+
+def shm_dir(prefix: str) -> Path:
+    """A fresh directory in /dev/shm (or the temp dir where there is none)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def descendants() -> set[Any]:
+    """This process's child processes, minus Python's multiprocessing helpers (the
+    resource tracker lives as long as the test session)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "multiprocessing.resource_tracker" in " ".join(proc.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        found.add(proc)
+    return found
+
+
+def shutdown_engine(llm: Any, engine_procs: set[Any], timeout: float = 60.0) -> None:
+    """Stop ``llm``'s engine process and workers (``engine_procs``); fail if any is still
+    alive after ``timeout``."""
+    import psutil
+
+    before = list(engine_procs)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    _, alive = psutil.wait_procs(before, timeout=timeout)
+    for proc in alive:  # never leave a process behind, even when the test fails
+        proc.kill()
+    # vLLM's CPU build shares tensor-parallel buffers through /dev/shm segments that its
+    # killed workers never unlink: remove them, so nothing outlives the run
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+        if name.startswith("vllm_dist_"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
+    assert not alive, f"vLLM processes outlived the engine: {[p.pid for p in alive]}"
+
+
