@@ -1,6 +1,9 @@
-"""The main job, short: versions advance, every batch carries its version, returns improve."""
+"""The main job, short: versions advance, every batch carries its version, returns improve,
+and what the demo prints and writes is what a user expects to see."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -25,6 +28,28 @@ def test_demo_short_run_learns_and_tags_batches(tmp_path):
 
 
 @pytest.mark.slow
+def test_demo_says_what_it_does_and_its_figures_agree(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lines: list[str] = []
+    result = run_demo("shm", workers=2, max_iterations=5, live=False, log=lines.append,
+                      output_dir=tmp_path / "results")
+    assert lines[0] == "starting 2 collectors over shm..."  # before any wait
+    first = next(line for line in lines if "iteration    1 " in line)
+    summary = lines[-1]
+    first_return = re.search(r"mean return +([\d.]+)", first)
+    summary_returns = re.search(r"mean return ([\d.]+) -> ([\d.]+)", summary)
+    assert first_return and summary_returns, (first, summary)
+    assert first_return.group(1) == summary_returns.group(1)  # the same number, twice
+    assert result.history[0]["t"] < result.history[-1]["t"] == result.seconds
+    assert re.search(r"median send [\d.]+ (ms|µs|s)", summary), summary  # human units
+    assert "e-0" not in summary
+    # the plot goes where it was asked, nothing into the working directory
+    assert result.plot == str(tmp_path / "results" / "weightsync-demo-shm.png")
+    assert (tmp_path / "results" / "weightsync-demo-shm.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["mp", "file"])
 def test_demo_other_transports(transport):
     result = run_demo(transport, workers=2, max_iterations=8, plot=None, live=False,
@@ -32,9 +57,15 @@ def test_demo_other_transports(transport):
     assert result.final_version == 8 and len(result.batch_versions) == 64
 
 
-def test_cli_demo_short_run_exits_zero(tmp_path):
-    assert main(["demo", "--max-iterations", "3", "--workers", "1", "--no-live",
-                 "--plot", str(tmp_path / "p.png")]) == 0
+def test_cli_demo_short_run_exits_zero(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--max-iterations", "3", "--workers", "1", "--no-live"]) == 0
+    out, err = capfd.readouterr()  # the collectors' output too
+    assert "starting 1 collector over shm..." in out
+    assert "lost" not in err and "sender closed" not in err, err  # a clean end, quietly
+    # the default output folder, which .gitignore lists
+    assert (tmp_path / "demo-output" / "weightsync-demo-shm.png").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-output"]
 
 
 def test_cli_rejects_unknown_transport():

@@ -1,47 +1,83 @@
-"""weightsync: keep many workers' weights in sync with one trainer, fast and tear-free."""
+"""weightsync: keep many workers' weights in sync with one trainer, fast and tear-free.
 
-from typing import Any
+Every public name loads on first use, so ``import weightsync`` (and ``weightsync --help``)
+costs no torch import, and ``ray`` stays an optional extra."""
 
-from weightsync.core import (
-    IntegrityError,
-    Layout,
-    SchemaMismatchError,
-    SenderLostError,
-    WeightStrategy,
-    WeightSyncError,
-    WeightSyncTimeoutError,
-    WorkerLostError,
-)
-from weightsync.schemes import (
-    MultiProcessWeightSyncScheme,
-    SharedMemWeightSyncScheme,
-    VLLMDoubleBufferSyncScheme,
-    VLLMDoubleBufferWeightReceiver,
-    VLLMDoubleBufferWeightSender,
-    WeightReceiver,
-    WeightSender,
-    WeightSyncScheme,
-)
-from weightsync.transports import MPTransport, SharedMemTransport, TransportBackend
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+#: public name -> the module that defines it
+_LAZY: dict[str, str] = {
+    "IntegrityError": "weightsync.core.errors",
+    "SchemaMismatchError": "weightsync.core.errors",
+    "SenderLostError": "weightsync.core.errors",
+    "WeightSyncError": "weightsync.core.errors",
+    "WeightSyncTimeoutError": "weightsync.core.errors",
+    "WorkerLostError": "weightsync.core.errors",
+    "Layout": "weightsync.core.layout",
+    "WeightStrategy": "weightsync.core.strategy",
+    "WeightReceiver": "weightsync.schemes.base",
+    "WeightSender": "weightsync.schemes.base",
+    "WeightSyncScheme": "weightsync.schemes.base",
+    "VLLMDoubleBufferSyncScheme": "weightsync.schemes.double_buffer",
+    "VLLMDoubleBufferWeightReceiver": "weightsync.schemes.double_buffer",
+    "VLLMDoubleBufferWeightSender": "weightsync.schemes.double_buffer",
+    "MultiProcessWeightSyncScheme": "weightsync.schemes.multiprocess",
+    "SharedMemWeightSyncScheme": "weightsync.schemes.shared_mem",
+    "TransportBackend": "weightsync.transports.base",
+    "MPTransport": "weightsync.transports.multiprocess",
+    "SharedMemTransport": "weightsync.transports.shared_mem",
+    "RayWeightSyncScheme": "weightsync.schemes.ray",
+    "RayWeightSender": "weightsync.schemes.ray",
+    "RayWeightReceiver": "weightsync.schemes.ray",
+    "RayTransport": "weightsync.transports.ray",
+    "RayWeightReceiverMixin": "weightsync.integrations.ray",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from weightsync.core.errors import (
+        IntegrityError,
+        SchemaMismatchError,
+        SenderLostError,
+        WeightSyncError,
+        WeightSyncTimeoutError,
+        WorkerLostError,
+    )
+    from weightsync.core.layout import Layout
+    from weightsync.core.strategy import WeightStrategy
+    from weightsync.integrations.ray import RayWeightReceiverMixin
+    from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme
+    from weightsync.schemes.double_buffer import (
+        VLLMDoubleBufferSyncScheme,
+        VLLMDoubleBufferWeightReceiver,
+        VLLMDoubleBufferWeightSender,
+    )
+    from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
+    from weightsync.schemes.ray import RayWeightReceiver, RayWeightSender, RayWeightSyncScheme
+    from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
+    from weightsync.transports.base import TransportBackend
+    from weightsync.transports.multiprocess import MPTransport
+    from weightsync.transports.ray import RayTransport
+    from weightsync.transports.shared_mem import SharedMemTransport
+
 
 def __getattr__(name: str) -> Any:
-    """Ray names load on first use, so that ``ray`` stays an optional extra."""
-    if name in ("RayWeightSyncScheme", "RayWeightSender", "RayWeightReceiver"):
-        from weightsync.schemes import ray as ray_scheme
+    """Import the module behind ``name`` on first use and cache the name here."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(ray_scheme, name)
-    if name == "RayTransport":
-        from weightsync.transports.ray import RayTransport
 
-        return RayTransport
-    if name == "RayWeightReceiverMixin":
-        from weightsync.integrations.ray import RayWeightReceiverMixin
+def __dir__() -> list[str]:
+    return sorted({*__all__, *_LAZY})
 
-        return RayWeightReceiverMixin
-    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
 
 __all__ = [
     "IntegrityError",

@@ -1,108 +1,195 @@
-"""The ``weightsync`` command: ``demo`` (the main job) and ``bench`` (the speed tables)."""
+"""The weightsync command: demo (learn CartPole with collectors kept in sync) and bench
+(each transport timed against the machine's own floor)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
+from collections.abc import Sequence
+
+from weightsync import __version__
+from weightsync.units import parse_size
+
+DESCRIPTION = """\
+Keep many workers' weights in sync with one trainer.
+
+  weightsync demo     learn CartPole-v1 while collector processes play with synced weights
+  weightsync bench    time each transport against one memcpy of the same bytes
+
+Run 'weightsync demo --help' or 'weightsync bench --help' for their options."""
+
+#: what each command needs beyond the core, as (module, extra) pairs
+DEMO_NEEDS = [("gymnasium", "demo"), ("rich", "demo"), ("matplotlib", "demo")]
+TRANSPORT_NEEDS = {"ray": [("ray", "ray")]}
+
+#: exit status for a missing extra (as argparse uses for a usage error) and after Ctrl-C
+EXIT_MISSING_EXTRA = 2
+EXIT_INTERRUPTED = 130
+
+
+class MissingExtra(Exception):
+    """A module the command needs is not installed; the message says what to install."""
+
+
+def require(needs: Sequence[tuple[str, str]], command: str) -> None:
+    """Raise :class:`MissingExtra` naming every missing module and the one install line."""
+    missing = [(module, extra) for module, extra in needs if not _installed(module)]
+    if missing:
+        extras = ",".join(dict.fromkeys(extra for _, extra in missing))
+        modules = ", ".join(module for module, _ in missing)
+        raise MissingExtra(f"{command} needs {modules}: pip install 'weightsync[{extras}]'")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module set to None
+        return False
+
+
+def _size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from weightsync.demo import run_demo
+    if args.collector == "torchrl":
+        try:
+            from weightsync.integrations.torchrl_demo import run_demo as run_torchrl_demo
+        except ImportError as exc:
+            raise MissingExtra(f"weightsync demo --collector torchrl needs TorchRL ({exc}): "
+                               "pip install 'weightsync[torchrl]'") from None
+        outcome = run_torchrl_demo(args)
+        return outcome if isinstance(outcome, int) else 0
+    require(DEMO_NEEDS + TRANSPORT_NEEDS.get(args.transport, []), "weightsync demo")
+    from weightsync.demo import CollectorError, run_demo
 
-    result = run_demo(
-        args.transport, args.workers, max_iterations=args.max_iterations,
-        max_seconds=args.max_seconds, seed=args.seed, plot=args.plot or None,
-        live=not args.no_live,
-    )
+    try:
+        result = run_demo(
+            args.transport, args.workers, max_iterations=args.max_iterations,
+            max_seconds=args.max_seconds, seed=args.seed, output_dir=args.output_dir,
+            plot=not args.no_plot, live=not args.no_live,
+        )
+    except CollectorError as exc:
+        print(f"weightsync demo: {exc}", file=sys.stderr)
+        return 1
+    if result.interrupted:
+        return EXIT_INTERRUPTED
     return 0 if result.solved or args.max_iterations < 100_000 or args.allow_unsolved else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
+    needs = [need for t in args.transports for need in TRANSPORT_NEEDS.get(t, [])]
+    require(needs + ([("matplotlib", "demo")] if args.plot else []), "weightsync bench")
+    from weightsync.bench.command import run_bench_command
 
-    from weightsync.bench import (
-        format_table,
-        run_bench,
-        run_directory_bench,
-        write_json,
-        write_plot,
-    )
-
-    n_local = len([t for t in args.transports if t in ("shm", "mp")]) * len(args.workers)
-    total = len(args.sizes) * (n_local + ("ray" in args.transports) * len(args.workers)
-                               + ("file" in args.transports) * 2)
-    bar = Progress(transient=True, console=Console(stderr=True))
-    task = bar.add_task("weightsync bench", total=total)
-    done = 0
-
-    def progress(what: str) -> None:  # called as each configuration starts
-        nonlocal done
-        bar.update(task, completed=done, description=f"measuring {what}")
-        done += 1
-
-    bar.start()
-    local = [t for t in args.transports if t in ("shm", "mp")]
-    rows = run_bench(local, args.sizes, args.workers, args.repeats, progress) if local else []
-    if "ray" in args.transports:
-        from weightsync.bench import run_ray_bench
-
-        for size in args.sizes:
-            rows += run_ray_bench(size, args.workers, args.repeats, progress)
-    if "file" in args.transports:
-        places = {"/dev/shm": "/dev/shm", "local disk": args.disk_dir}
-        for size in args.sizes:
-            rows += run_directory_bench(size, places, args.repeats, progress)
-    bar.update(task, completed=total)
-    bar.stop()
-    print(format_table(rows))
-    if args.json:
-        write_json(rows, args.json)
-    if args.plot:
-        write_plot(rows, args.plot)
-    return 0
+    return run_bench_command(args)
 
 
 def _available_transports() -> list[str]:
-    import importlib.util
-
-    ray = ["ray"] if importlib.util.find_spec("ray") is not None else []
-    return ["shm", "mp", *ray, "file"]
+    return ["shm", "mp", *(["ray"] if _installed("ray") else []), "file"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that ends each option with its default, lists written as they are typed."""
 
-    demo = sub.add_parser("demo", help="learn CartPole with collectors kept in sync")
-    demo.add_argument("--transport", choices=["shm", "mp", "file", "ray"], default="shm")
-    demo.add_argument("--workers", type=int, default=2, help="collector processes (actors)")
-    demo.add_argument("--max-iterations", type=int, default=100_000,
-                      help="stop after this many training steps (a short run: e.g. 15)")
-    demo.add_argument("--max-seconds", type=float, default=180.0)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--plot", default="weightsync-demo.png", help="PNG path ('' for none)")
-    demo.add_argument("--no-live", action="store_true", help="plain log lines, no live table")
-    demo.add_argument("--allow-unsolved", action="store_true", help="exit 0 even if unsolved")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; building it imports nothing heavy."""
+    fmt = _DefaultsShown
+    parser = argparse.ArgumentParser(prog="weightsync", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"weightsync {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log what weightsync does (INFO level)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+
+    demo = sub.add_parser("demo", formatter_class=fmt,
+                          help="learn CartPole with collector processes kept in sync",
+                          description="Learn CartPole-v1 with REINFORCE while collector "
+                          "processes play episodes with weights synced after every step.")
+    demo.add_argument("--transport", choices=["shm", "mp", "file", "ray"], default="shm",
+                      help="how weights reach the collectors")
+    demo.add_argument("--collector", choices=["weightsync", "torchrl"], default="weightsync",
+                      help="weightsync's own collector processes, or TorchRL's collectors")
+    demo.add_argument("--workers", type=_positive_int, default=2,
+                      help="collector processes (Ray actors with --transport ray)")
+    demo.add_argument("--max-iterations", type=_positive_int, default=100_000,
+                      help="stop after this many training steps (e.g. 15 for a short run)")
+    demo.add_argument("--max-seconds", type=float, default=180.0,
+                      help="stop after this many seconds of training")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the trainer and collectors")
+    demo.add_argument("--output-dir", default="demo-output",
+                      help="where the plot (weightsync-demo-TRANSPORT.png) is written")
+    demo.add_argument("--no-plot", action="store_true", help="write no plot")
+    demo.add_argument("--no-live", action="store_true",
+                      help="plain log lines instead of a live table")
+    demo.add_argument("--allow-unsolved", action="store_true",
+                      help="exit 0 even if CartPole was not solved")
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="time send() against one memcpy of the same bytes")
+    bench = sub.add_parser("bench", formatter_class=fmt,
+                           help="time each transport against one memcpy of the same bytes",
+                           description="Time each transport until send() returns and until "
+                           "every worker's model holds the version, beside one memcpy of the "
+                           "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
                        choices=["shm", "mp", "ray", "file"],
-                       help="default: every transport available here (ray if installed)")
-    bench.add_argument("--disk-dir", default=".", help="a directory on local disk (file transport)")
-    bench.add_argument("--sizes", nargs="+", default=["1MB", "400MB"], choices=["1MB", "400MB"])
-    bench.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
-    bench.add_argument("--repeats", type=int, default=10)
+                       help="transports to time (ray only if installed)")
+    bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
+                       metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
+    bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],
+                       help="numbers of workers")
+    bench.add_argument("--repeats", type=_positive_int, default=10,
+                       help="sends timed per configuration (medians are reported)")
+    bench.add_argument("--shm-modes", nargs="+", choices=["copy", "zero-copy"],
+                       default=["copy", "zero-copy"],
+                       help="SharedMem receivers that copy each version, or view it in place")
+    bench.add_argument("--worker-step-ms", type=float, default=1.0,
+                       help="each worker's simulated environment step between two poll()s")
+    bench.add_argument("--device", default="cpu", help="where the weights live (cpu, cuda)")
+    bench.add_argument("--disk-dir", default=".",
+                       help="a directory on local disk (file transport)")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    return int(args.func(args))
+    if args.verbose:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        logging.getLogger("weightsync").setLevel(logging.INFO)
+    try:
+        return int(args.func(args))
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)  # it names the command already
+        return EXIT_MISSING_EXTRA
+    except KeyboardInterrupt:
+        print("weightsync: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

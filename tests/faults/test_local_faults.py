@@ -4,6 +4,7 @@ senders, and inputs outside the contract. Every wait has a timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -323,10 +324,8 @@ def _trainer_sending(scheme: Any, idx: int, out: Any, stop: Any) -> None:
     sender.connect(timeout=30)
     while not stop.is_set():
         fill_all(model, float(sender.version + 1))
-        try:
+        with contextlib.suppress(ws.WeightSyncError):
             sender.send(timeout=5)
-        except ws.WeightSyncError:
-            pass
         time.sleep(0.001)
     sender.close()
 

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import time
 
-
-def human_duration(seconds: float) -> str:
-    """``0.00042`` -> ``"0.42 ms"``, ``3.0`` -> ``"3 s"``, ``200`` -> ``"3 min 20 s"``."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.3g} us"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds < 120:
-        return f"{seconds:.3g} s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest} s"
+from weightsync.units import format_duration as human_duration
 
 
 class Deadline:

@@ -3,18 +3,28 @@ accepted input types (``nn.Module``, ``TensorDictBase``, ``Mapping[str, Tensor]`
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from weightsync.core.errors import SchemaMismatchError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 ACCEPTED_TYPES = "an nn.Module, a TensorDictBase or a Mapping[str, Tensor]"
 
 ExtractAs = Literal["tensordict", "state_dict"]
+
+
+def is_tensordict(value: Any) -> bool:
+    """Whether ``value`` is a ``TensorDictBase``, without importing tensordict (which pulls
+    ``torch._dynamo``, about a second): a TensorDict exists only once its module is loaded."""
+    tensordict = sys.modules.get("tensordict")
+    return tensordict is not None and isinstance(value, tensordict.TensorDictBase)
 
 
 def flat_tensors(source: Any, *, what: str = "weights") -> dict[str, torch.Tensor]:
@@ -27,7 +37,7 @@ def flat_tensors(source: Any, *, what: str = "weights") -> dict[str, torch.Tenso
             (name, t.detach() if isinstance(t, torch.nn.Parameter) else t)
             for name, t in source.state_dict(keep_vars=True).items()
         )
-    if isinstance(source, TensorDictBase):
+    if is_tensordict(source):
         out: dict[str, torch.Tensor] = OrderedDict()
         for key, value in source.items(include_nested=True, leaves_only=True):
             name = ".".join(key) if isinstance(key, tuple) else key
@@ -42,7 +52,7 @@ def flat_tensors(source: Any, *, what: str = "weights") -> dict[str, torch.Tenso
                 raise TypeError(f"{what}: keys must be str, got {type(name).__name__} {name!r}")
             if isinstance(value, torch.Tensor):
                 out[name] = value.detach()
-            elif isinstance(value, (Mapping, TensorDictBase)):
+            elif isinstance(value, Mapping) or is_tensordict(value):
                 for sub, tensor in flat_tensors(value, what=what).items():
                     out[f"{name}.{sub}"] = tensor
             else:
@@ -75,8 +85,10 @@ class WeightStrategy:
         flat = flat_tensors(source, what="extract_weights")
         if self.extract_as == "state_dict":
             return flat
-        if isinstance(source, TensorDictBase):
+        if is_tensordict(source):
             return source
+        from tensordict import TensorDict  # only here: importing it costs about a second
+
         return TensorDict(dict(flat), batch_size=[]).unflatten_keys(".")
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The sender/receiver API every scheme offers (API.md), independent of how bytes move."""
+"""The sender/receiver API every scheme offers (docs/contract.md), independent of how bytes move."""
 
 from __future__ import annotations
 

@@ -294,7 +294,7 @@ class VLLMDoubleBufferWeightReceiver(WeightReceiver):
             if deadline.expired():
                 raise WeightSyncTimeoutError(
                     f"worker {self.worker_idx}: could not read version {version} from "
-                    f"{self.directory} within {deadline.timeout}s (its slot stayed locked)"
+                    f"{self.directory} within {deadline} (its slot stayed locked)"
                 )
             time.sleep(deadline.slice(self.scheme.poll_interval))
 
@@ -310,7 +310,7 @@ class VLLMDoubleBufferWeightReceiver(WeightReceiver):
             if deadline.expired():
                 raise WeightSyncTimeoutError(
                     f"worker {self.worker_idx}: no committed weights in {self.directory} within "
-                    f"{deadline.timeout}s"
+                    f"{deadline}"
                 )
             time.sleep(deadline.slice(self.scheme.poll_interval))
 

@@ -147,7 +147,8 @@ class LocalReceiver(WeightReceiver):
 
     def _set_sender_lost(self, why: str) -> None:
         if self._sender_lost is None:
-            logger.warning("worker %d: %s", self.worker_idx, why)
+            clean = why == "the sender closed"
+            (logger.info if clean else logger.warning)("worker %d: %s", self.worker_idx, why)
         with self._cond:
             self._sender_lost = why
             self._cond.notify_all()

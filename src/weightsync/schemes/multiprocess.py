@@ -132,7 +132,7 @@ class MultiProcessWeightReceiver(LocalReceiver):
             if deadline.expired():
                 raise WeightSyncTimeoutError(
                     f"worker {self.worker_idx}: the sender sent no weights within "
-                    f"{deadline.timeout}s"
+                    f"{deadline}"
                 )
         assert self.transport is not None and self.transport.sender_layout is not None
         return self.transport.sender_layout

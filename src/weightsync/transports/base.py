@@ -1,4 +1,4 @@
-"""The transport interface every weightsync transport implements (seed 001)."""
+"""The transport interface every weightsync transport implements."""
 
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ class DirectoryWriter:
             if deadline.expired():
                 raise WeightSyncTimeoutError(
                     f"every slot in {self.directory} is still being read after "
-                    f"{deadline.timeout}s (slow readers hold their shared locks)"
+                    f"{deadline} (slow readers hold their shared locks)"
                 )
             time.sleep(deadline.slice(self.poll_interval))
 
@@ -250,7 +250,7 @@ class DirectoryWriter:
                 )
                 raise WeightSyncTimeoutError(
                     f"worker(s) {slow} did not acknowledge version {version} in {self.directory} "
-                    f"within {deadline.timeout}s{detail}", worker_ids=slow,
+                    f"within {deadline}{detail}", worker_ids=slow,
                 )
             time.sleep(deadline.slice(self.poll_interval))
 

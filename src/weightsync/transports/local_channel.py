@@ -63,7 +63,7 @@ def _wait(sock: socket.socket, events: int, deadline: Deadline, what: str) -> No
         if ready:
             return
         if deadline.expired():
-            raise ChannelTimeout(f"{what} timed out after {deadline.timeout}s")
+            raise ChannelTimeout(f"{what} timed out after {deadline}")
 
 
 def _tune(sock: socket.socket) -> None:
@@ -382,7 +382,7 @@ def connect_channel(address: str, timeout: float | None) -> Channel:
                 raise
             if deadline.expired():
                 raise ChannelTimeout(
-                    f"no sender listening at {address!r} after {deadline.timeout}s"
+                    f"no sender listening at {address!r} after {deadline}"
                 ) from exc
             time.sleep(deadline.slice(delay))
             delay = min(delay * 2, 0.1)

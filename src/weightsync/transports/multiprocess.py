@@ -1,4 +1,4 @@
-"""MPTransport (seed 002): weights as raw bytes through a pipe or queue, acks carry versions.
+"""MPTransport, with TorchRL's API: weights as raw bytes through a pipe or queue; acks carry versions.
 
 The sender packs the weights into a snapshot buffer (one copy, so later optimizer steps
 cannot leak into a send in flight) and streams it in chunks; the receiver reads into one of
@@ -79,9 +79,9 @@ class _QueueEndpoint:
 
 
 class MPTransport:
-    """Multiprocessing transport (seed 002): raw weight bytes through a queue or pipe.
+    """Multiprocessing transport: raw weight bytes through a queue or pipe.
 
-    ``weight_queue`` may be a ``multiprocessing.Queue`` (the seed's form; then ``ack_queue``
+    ``weight_queue`` may be a ``multiprocessing.Queue`` (TorchRL's form; then ``ack_queue``
     carries acknowledgements back) or one duplex pipe/``Channel`` used both ways. The
     weights cross as a JSON header and raw tensor bytes, never as pickled tensors.
     """
@@ -150,7 +150,7 @@ class MPTransport:
             self.wait_ack()
 
     def setup_connection_and_weights_on_sender(self) -> None:
-        """Nothing to do: the first send carries the layout (seed 002)."""
+        """Nothing to do: the first send carries the layout."""
 
     # ------------------------------------------------------------------ receiver side
     def _get(self, deadline: Deadline, ack_side: bool = True) -> Message:
@@ -164,7 +164,7 @@ class MPTransport:
         try:
             item = source.get(timeout=deadline.remaining())
         except queue_module.Empty as exc:
-            raise WeightSyncTimeoutError(f"nothing arrived within {deadline.timeout}s") from exc
+            raise WeightSyncTimeoutError(f"nothing arrived within {deadline}") from exc
         if isinstance(item, dict):
             return Message(item)
         header, payload = item
@@ -248,7 +248,7 @@ class MPTransport:
         model: Any = None,
         strategy: WeightStrategy | None = None,
     ) -> Any:
-        """Block for the initial weights from the sender and apply them (seed 002)."""
+        """Block for the initial weights from the sender and apply them."""
         self.worker_idx = worker_idx
         return self.receive_weights(self.timeout, weights=weights, model=model, strategy=strategy)
 

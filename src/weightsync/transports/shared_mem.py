@@ -1,4 +1,4 @@
-"""SharedMemTransport (seed 000): weights in shared memory, copied in and out tear-free.
+"""SharedMemTransport: weights in shared memory, copied in and out tear-free.
 
 The sender keeps a small pool of slots, each a full packed copy of the weights in a
 shared segment (a CUDA buffer shared by CUDA IPC for GPU tensors). A send packs the
@@ -48,15 +48,15 @@ logger = logging.getLogger(__name__)
 
 
 class SharedMemTransport:
-    """Shared-memory weight transport for processes on one host (seed 000).
+    """Shared-memory weight transport for processes on one host.
 
     Sender side: ``register_pipe`` each worker's pipe, then ``send_weights(model_id, w)``;
     the first send of a model creates its shared slots and passes them to the workers.
     Receiver side: ``register_pipe`` the other end, then
     ``setup_connection_and_weights_on_receiver`` and ``receive_weights``.
 
-    Unlike the seed's in-place update, workers do not see writes as they happen: a worker
-    takes a new version only when it calls ``receive_weights`` (tear-free, API.md promise 2).
+    Unlike TorchRL's in-place update, workers do not see writes as they happen: a worker
+    takes a new version only when it calls ``receive_weights`` (tear-free, see docs/contract.md).
     """
 
     def __init__(
@@ -247,7 +247,7 @@ class SharedMemTransport:
             if deadline.expired():
                 raise WeightSyncTimeoutError(
                     f"no free shared-memory slot for model {model_id!r} within "
-                    f"{deadline.timeout}s: workers are still reading every slot"
+                    f"{deadline}: workers are still reading every slot"
                 )
             time.sleep(0.0002)
 
@@ -265,13 +265,13 @@ class SharedMemTransport:
         return model.slots[_unpack_target(model.ctrl[_IDX_LATEST])[1]].buffers
 
     def check_ack(self, message: str = "updated") -> None:
-        """No-op (seed 000): the scheme confirms delivery with its own acks."""
+        """No-op: the scheme confirms delivery with its own acks."""
 
     def send_ack(self, message: str = "updated") -> None:
-        """No-op (seed 000)."""
+        """No-op."""
 
     def setup_connection_and_weights_on_sender(self) -> None:
-        """Nothing to do: segments are passed lazily on the first send (seed 000)."""
+        """Nothing to do: segments are passed lazily on the first send."""
 
     # ================================================================== receiver side
     def handle_message(self, message: Message) -> bool:
@@ -311,7 +311,7 @@ class SharedMemTransport:
                 if deadline.expired():
                     raise WeightSyncTimeoutError(
                         f"worker {self._worker_idx}: no weights for model {model_id!r} within "
-                        f"{deadline.timeout}s"
+                        f"{deadline}"
                     )
                 if pump is not None:
                     self._lock.release()
@@ -387,7 +387,7 @@ class SharedMemTransport:
         self.wait_for_model(model_id, deadline, pump=self._pump)
         while self.published_version(worker_idx, model_id) < 0:
             if deadline.expired():
-                raise WeightSyncTimeoutError(f"worker {worker_idx}: no version within {timeout}s")
+                raise WeightSyncTimeoutError(f"worker {worker_idx}: no version within {Deadline(timeout)}")
             self._pump(deadline.slice(0.01))
         return self.receive_weights(
             deadline.remaining(), weights=weights, model=model, strategy=strategy,
@@ -404,7 +404,7 @@ class SharedMemTransport:
         model_id: str = DEFAULT_MODEL_ID,
     ) -> Any | None:
         """Apply the newest version to ``model`` (or ``weights``) if there is a newer one and
-        return the applied weights; otherwise return None at once (the seed's receive is a
+        return the applied weights; otherwise return None at once (TorchRL's receive is a
         no-op that never blocks). ``timeout`` bounds the wait for a slot still in transit."""
         target = model if model is not None else weights
         if target is None:

@@ -1,0 +1,83 @@
+"""``weightsync bench`` itself: run the chosen transports, show progress, print the table
+(and any skipped configuration), write the JSON and the chart if asked."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from weightsync.bench.rows import BenchRow, format_table, write_json
+
+
+def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """A progress bar on stderr (rich, if installed; plain lines otherwise) and its stop."""
+    try:
+        from rich.console import Console
+        from rich.progress import Progress
+    except ImportError:
+        done = 0
+
+        def line(what: str) -> None:
+            nonlocal done
+            done += 1
+            print(f"[{done}/{total}] measuring {what}...", file=sys.stderr, flush=True)
+
+        return line, lambda: None
+    bar = Progress(transient=True, console=Console(stderr=True))
+    task = bar.add_task("weightsync bench", total=total)
+    count = 0
+
+    def update(what: str) -> None:
+        nonlocal count
+        bar.update(task, completed=count, description=f"measuring {what}")
+        count += 1
+
+    bar.start()
+    return update, bar.stop
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from weightsync.bench.local import run_bench
+    from weightsync.units import parse_size
+
+    args.sizes = [(text, parse_size(text)) for text in args.sizes]
+
+    local = [t for t in args.transports if t in ("shm", "mp")]
+    modes = len(args.shm_modes) if "shm" in local else 0
+    total = len(args.sizes) * (len(args.workers) * (len(local) - ("shm" in local) + modes
+                                                    + 2 * ("ray" in args.transports))
+                               + 2 * ("file" in args.transports))
+    progress, stop = _progress(total)
+    notes: list[str] = []
+    rows: list[BenchRow] = []
+    try:
+        if local:
+            rows += run_bench(local, args.sizes, args.workers, args.repeats, progress,
+                              shm_modes=args.shm_modes, step_s=args.worker_step_ms / 1e3,
+                              device=args.device, notes=notes)
+        if "ray" in args.transports:
+            from weightsync.bench.ray_actors import run_ray_bench
+
+            for size, nbytes in args.sizes:
+                rows += run_ray_bench(size, nbytes, args.workers, args.repeats, progress)
+        if "file" in args.transports:
+            from weightsync.bench.directory import run_directory_bench
+
+            places = {"/dev/shm": "/dev/shm", "local disk": args.disk_dir}
+            for size, nbytes in args.sizes:
+                rows += run_directory_bench(size, nbytes, places, args.repeats, progress)
+    finally:
+        stop()
+    print(format_table(rows))
+    for note in notes:
+        print(f"note: {note}")
+    if args.json:
+        write_json(rows, args.json)
+        print(f"rows written to {args.json}")
+    if args.plot:
+        from weightsync.bench.plot import write_plot
+
+        write_plot(rows, args.plot)
+        print(f"chart written to {args.plot}")
+    return 0

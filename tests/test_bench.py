@@ -1,0 +1,94 @@
+"""``weightsync bench`` measures what users feel: publish and applied-everywhere times from
+real worker processes, beside floors measured in the same run, in human units."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from weightsync.bench.floors import copy_times, socket_times
+from weightsync.bench.local import bench_local, make_model, supports_zero_copy
+from weightsync.bench.plot import COLOURS, transport_of, write_plot
+from weightsync.bench.rows import format_table, make_row
+from weightsync.cli import main
+from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
+
+
+def test_model_has_the_asked_size_in_layers():
+    model = make_model(3_000_000)
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    assert sum(sizes) == 3_000_000 and len(sizes) > 1
+    assert all(name.startswith("layer") for name, _ in model.named_parameters())
+
+
+def test_floors_are_several_samples():
+    assert len(copy_times(1 << 20, repeats=4)) == 4
+    assert len(socket_times(1 << 20, repeats=5)) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "mp"])
+def test_every_worker_reports_the_version_it_applied(transport):
+    times = bench_local(transport, 256_000, workers=2, repeats=4, floor=1e-4)
+    assert times.skipped is None
+    assert len(times.publish) == 4 and len(times.applied) == 4 and len(times.floor) == 4
+    assert len(times.apply_in_worker) == 4 * 2  # one per worker and send
+    assert all(t > 0 for t in times.publish + times.applied + times.apply_in_worker)
+
+
+@pytest.mark.slow
+def test_zero_copy_rows_or_a_note_saying_why_not():
+    times = bench_local("shm", 256_000, workers=1, repeats=3, floor=1e-4, zero_copy=True)
+    if supports_zero_copy(SharedMemWeightSyncScheme(num_workers=1)):
+        assert times.skipped is None and len(times.applied) == 3
+    else:
+        assert times.skipped is not None and "zero_copy" in times.skipped
+
+
+@pytest.mark.slow
+def test_cli_bench_prints_a_table_in_human_units_and_writes_json_and_chart(tmp_path, capsys):
+    rows_path, chart = tmp_path / "rows.json", tmp_path / "chart.png"
+    assert main(["bench", "--transports", "shm", "mp", "--sizes", "300KB", "--workers", "1",
+                 "--repeats", "3", "--json", str(rows_path), "--plot", str(chart)]) == 0
+    out = capsys.readouterr().out
+    for label in ("shm publish", "shm applied everywhere", "shm apply in worker", "mp publish",
+                  "mp applied everywhere", "mp floor: bare Unix-socket transfer"):
+        assert f"| {label} | 300KB | " in out, out
+    assert " ms " in out or " µs " in out
+    rows = json.loads(rows_path.read_text())
+    assert {r["nbytes"] for r in rows} == {300_000}
+    floor_row = next(r for r in rows if r["transport"].startswith("mp floor"))
+    assert floor_row["samples"] >= 5  # a median of several transfers, not one
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_rows_in_human_units():
+    row = make_row("shm publish", "400MB", 400_000_000, 2, [0.036, 0.034, 0.035], 0.040)
+    line = format_table([row]).splitlines()[-1]
+    assert line.startswith("| shm publish | 400MB | 2 | 35.0 ms | ")
+    assert "40.0 ms memcpy | 0.88 | 0.44 |" in line
+
+
+def test_chart_has_a_colour_per_transport(tmp_path):
+    labels = ["shm publish", "shm zero-copy applied everywhere", "mp publish",
+              "mp floor: bare Unix-socket transfer", "ray node-local send", "file update (/dev/shm)"]
+    keys = [transport_of(label) for label in labels]
+    assert keys == ["shm", "shm zero-copy", "mp", "mp floor", "ray node-local", "file"]
+    assert len({COLOURS[k] for k in keys}) == len(keys)
+    rows = [make_row(label, "1MB", 10**6, 1, [0.001], 0.0005) for label in labels]
+    assert write_plot(rows, str(tmp_path / "c.png")) == str(tmp_path / "c.png")
+
+
+def test_bench_runs_without_the_demo_extra(monkeypatch, capsys, tmp_path):
+    for name in [m for m in sys.modules if m.split(".")[0] in ("rich", "matplotlib")]:
+        monkeypatch.delitem(sys.modules, name)  # loaded by an earlier test
+    for name in ("rich", "rich.console", "rich.progress", "matplotlib"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an uninstalled module looks like
+    assert main(["bench", "--transports", "file", "--sizes", "100KB", "--repeats", "2",
+                 "--disk-dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "[1/2] measuring file /dev/shm 100KB..." in captured.err
+    assert "| file update (/dev/shm) | 100KB | 1 |" in captured.out
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is gone
