@@ -34,6 +34,41 @@ class Collector(RayWeightReceiverMixin):
             return type(exc).__name__
         return None
 
+    def pid(self):
+        import os
+
+        return os.getpid()
+
+    def node_id(self):
+        return ray.get_runtime_context().get_node_id()
+
+    def receive_outcome(self, timeout):
+        """Block in receive(); return (error type or None, seconds it took, version held)."""
+        t0 = time.monotonic()
+        try:
+            self.weightsync_receiver.receive(timeout=timeout)
+        except Exception as exc:
+            return type(exc).__name__, time.monotonic() - t0, self.weightsync_receiver.version
+        return None, time.monotonic() - t0, self.weightsync_receiver.version
+
+    def corrupt_wire(self, on):
+        """Flip one byte of every bucket this actor receives from now on (or stop)."""
+        from weightsync.transports.ray import RayTransport
+
+        def flip(buffers):
+            for buffer in buffers:
+                flat = buffer.view(torch.uint8).reshape(-1)
+                flat[flat.numel() // 2] ^= 0x10
+
+        RayTransport.wire_hook = flip if on else None
+
+    def poll_error(self):
+        try:
+            self.weightsync_receiver.poll()
+        except Exception as exc:
+            return type(exc).__name__
+        return None
+
     def default_group_initialised(self):
         return torch.distributed.is_initialized()
 
@@ -58,8 +93,8 @@ class Collector(RayWeightReceiverMixin):
 class Trainer:
     """A trainer living in an actor, syncing collectors it was handed."""
 
-    def __init__(self, scheme, collectors):
-        self.model = make_model()
+    def __init__(self, scheme, collectors, width=16):
+        self.model = make_model(width)
         self.sender = scheme.create_sender(collectors)
         self.sender.register_model(self.model)
 
@@ -71,3 +106,6 @@ class Trainer:
                     p.add_(1.0)
             self.sender.send(timeout=30)
         return self.sender.version, checksum(self.model)
+
+    def node_id(self):
+        return ray.get_runtime_context().get_node_id()

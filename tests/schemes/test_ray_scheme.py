@@ -20,9 +20,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "raylet" in line or "gcs_server" in line]
+def _ray_processes(session_dir: str) -> list[str]:
+    """Live raylet/gcs processes of this module's Ray instance (others may run beside it)."""
+    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if ("raylet" in line or "gcs_server" in line) and session_dir in line
+            and line.split()[1][:1] != "Z"]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +36,15 @@ def ray_cluster():
         object_store_memory=100 * 1024 * 1024,
         runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}},
     )
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
     yield
     t0 = time.monotonic()
     ray.shutdown()
     assert time.monotonic() - t0 < 20, "ray.shutdown() must return promptly"
     deadline = time.monotonic() + 20
-    while _ray_processes() and time.monotonic() < deadline:
+    while _ray_processes(session_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _ray_processes(), _ray_processes()
+    assert not _ray_processes(session_dir), _ray_processes(session_dir)
 
 
 @pytest.fixture
@@ -261,3 +265,180 @@ def test_demo_over_ray(ray_cluster):
                       log=lambda line: None)
     assert result.final_version == 6 and len(result.batch_versions) == 48
     assert ray.is_initialized()  # the demo used our cluster and left it running
+
+
+def test_stopped_actor_one_deadline_named_and_healthy_get_the_next(actors):
+    """A SIGSTOPped actor on the broadcast path: send(timeout=T) ends within T naming it,
+    and the next send reaches the healthy actor (it used to take 40 s, then a raw
+    GetTimeoutError naming no worker)."""
+    import signal
+
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, node_local=False)
+    group = actors(scheme, 2)
+    model = make_model()
+    pid = ray.get(group[1].pid.remote())
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            fill_all(model, 5.0)
+            t0 = time.monotonic()
+            with pytest.raises(ws.WeightSyncTimeoutError) as info:
+                sender.send(timeout=6)
+            assert time.monotonic() - t0 < 6 + 2
+            assert info.value.worker_ids == (1,) and "worker(s) [1]" in str(info.value)
+            fill_all(model, 6.0)
+            t0 = time.monotonic()
+            version = sender.send(timeout=6)  # rebuilt without the stopped actor
+            assert time.monotonic() - t0 < 6 + 2
+            assert states([group[0]]) == [(version, checksum(model))]
+            assert sender.send(timeout=6) == version + 1  # no rebuild: fast
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_corrupted_chunk_raises_integrity_error_and_keeps_the_version(actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, node_local=False)
+    group = actors(scheme, 2)
+    model = make_model()
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        before = checksum(model)
+        assert states(group) == [(0, before)] * 2
+        ray.get(group[1].corrupt_wire.remote(True))
+        fill_all(model, 7.0)
+        assert sender.send(timeout=20) == 1  # delivered; checked before it is applied
+        assert ray.get(group[1].poll_error.remote()) == "IntegrityError"
+        assert states(group) == [(1, checksum(model)), (0, before)]  # kept its version
+        ray.get(group[1].corrupt_wire.remote(False))
+        assert sender.send(timeout=20) == 2
+        assert states(group) == [(2, checksum(model))] * 2
+
+
+def test_rendezvous_refuses_a_peer_without_the_token(tmp_path):
+    """A third process that reaches the trainer's TCPStore (it accepts any peer) cannot
+    plant values a member accepts, nor join the group as a member."""
+    import datetime
+    import json
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync.transports.ray_group import AuthenticatedStore, GroupInfo, WeightGroup
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    secret = os.urandom(32)
+    honest = AuthenticatedStore(store, secret, "gen1")
+    honest.set("address/1", b"10.0.0.1:1234")
+    attack = f"""
+import datetime, json, sys
+import torch, torch.distributed as dist
+from weightsync.transports.ray_group import GroupInfo, WeightGroup
+port = {store.port}
+peer = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=5))
+keys = peer.list_keys()  # the store hands out its key names to anyone
+for key in keys:
+    peer.set(key, b"evil")  # and lets anyone overwrite them
+out = {{"keys": len(keys)}}
+info = GroupInfo("127.0.0.1", port, 2, 2, "gloo", {{0: 1}}, 4.0, secret="00" * 32, nonce="n")
+try:
+    WeightGroup(info, 1, host="127.0.0.1")
+    out["joined"] = True
+except Exception as exc:
+    out["joined"] = False
+    out["error"] = type(exc).__name__ + ": " + str(exc)[:200]
+print(json.dumps(out))
+"""
+    errors: list[BaseException] = []
+
+    def rank0() -> None:
+        info = GroupInfo("127.0.0.1", int(store.port), 2, 2, "gloo", {0: 1}, 6.0,
+                         secret=secret.hex(), nonce="n")
+        try:
+            WeightGroup(info, 0, store=store, host="127.0.0.1")
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    proc = subprocess.run([sys.executable, "-c", attack], capture_output=True, text=True,
+                          timeout=60)
+    thread.join(30)
+    assert not thread.is_alive()
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["keys"] >= 1 and result["joined"] is False, result
+    assert errors, "rank 0 built a group with a peer that has no token"
+    with pytest.raises(ws.IntegrityError, match="not written by a holder"):
+        honest.get("address/1")  # the forged value is refused
+
+
+def test_checksummed_broadcast_in_chunks_catches_one_flipped_byte():
+    """The group's checked broadcast (rank 0 and rank 1 in threads, real gloo over TCP):
+    every chunk arrives with its checksum; a byte flipped on arrival is pinned to its chunk."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync.transports import ray_group
+    from weightsync.transports.ray_group import GroupInfo, WeightGroup
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    nbytes = 2 * ray_group.CHUNK_BYTES + 13  # three chunks, the last one short
+    sent = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    for generation, hook, expected_bad in ((1, None, []), (2, "flip", [1])):
+        info = GroupInfo("127.0.0.1", int(store.port), 2, generation, "gloo", {0: 1}, 20.0,
+                         secret=os.urandom(32).hex(), nonce="n")
+        got = torch.zeros(nbytes, dtype=torch.uint8)
+        result: dict[str, object] = {}
+
+        def flip(pieces, seen=[0]):  # noqa: B006  (counts chunks across calls)
+            if seen[0] == 1:
+                pieces[0][5] ^= 0x01
+            seen[0] += 1
+
+        def member(info=info, got=got, result=result, hook=hook, flip=flip):
+            group = WeightGroup(info, 1, host="127.0.0.1")
+            result["bad"] = group.receive_checked([got], 20.0, flip if hook else None)
+
+        thread = threading.Thread(target=member)
+        thread.start()
+        sums = WeightGroup(info, 0, store=store, host="127.0.0.1").send_checked([sent], 20.0)
+        thread.join(30)
+        assert len(sums) == 3 and result["bad"] == expected_bad
+        if not hook:
+            assert torch.equal(got, sent)
+
+
+def test_checksum_helpers():
+    from weightsync.transports.ray_group import _sums_list, _sums_tensor, wire_checksum
+
+    data = torch.arange(1000, dtype=torch.int64).view(torch.uint8)[:7993]  # a ragged tail
+    base = wire_checksum(data)
+    for index in (0, 4000, 7992):  # a word, and a tail byte
+        changed = data.clone()
+        changed[index] ^= 0x80
+        assert wire_checksum(changed) != base
+    sums = [0, 1, 2**63, 2**64 - 1]
+    assert _sums_list(_sums_tensor(sums, torch.device("cpu"))) == sums
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_nccl_backend_without_cuda_says_what_to_do():
+    import pickle
+
+    from weightsync.transports.ray_group import wire_device
+
+    scheme = ws.RayWeightSyncScheme(num_workers=2, backend="nccl")
+    copy = pickle.loads(pickle.dumps(scheme))  # what each actor receives
+    assert copy.backend == "nccl" and copy.secret == scheme.secret
+    with pytest.raises(ws.WeightSyncError, match="backend='gloo'"):
+        wire_device("nccl")
+    with pytest.raises(ValueError, match="backend"):
+        wire_device("mpi")
+    assert wire_device("gloo") == torch.device("cpu")

@@ -48,6 +48,10 @@ class RayWeightReceiverMixin:
     def weightsync_version(self) -> int:
         return self.weightsync_receiver.version
 
+    def weightsync_path(self) -> str | None:
+        """``"node-local"`` or ``"broadcast"``: how versions reach this actor."""
+        return self.weightsync_receiver.path
+
     # called by the sender ------------------------------------------------------
     def _weightsync_check(self, layout: dict[str, Any]) -> None:
         self.weightsync_receiver.check_layout(layout)
@@ -59,6 +63,7 @@ class RayWeightReceiverMixin:
         self.weightsync_receiver.join(info, layout)
 
     def _weightsync_receive(
-        self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None
+        self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None,
+        delivery: dict[str, Any] | None = None,
     ) -> int:
-        return self.weightsync_receiver.take(version, keep, messages)
+        return self.weightsync_receiver.take(version, keep, messages, delivery)

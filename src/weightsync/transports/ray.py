@@ -1,262 +1,50 @@
 """RayTransport (seed 003): Ray carries the signals, a torch.distributed group the bytes.
 
-The group is weightsync's own: a ``ProcessGroupGloo`` (or NCCL) built directly on a
-``TCPStore``, so the user's default process group is never initialised or touched. Rank 0
-is the sender; worker ``i`` is rank ``i + 1`` (seed 003) unless the group was rebuilt
+The group (``ray_group``) is weightsync's own, never the user's default process group.
+Rank 0 is the sender; worker ``i`` is rank ``i + 1`` (seed 003) unless the group was rebuilt
 without some workers, in which case the rendezvous info maps worker indices to ranks.
-Weights cross as packed buckets, one ``broadcast`` per bucket for all workers.
-
-Actors on the sender's own node skip the network: the sender writes each version once into
-shared memory (a :class:`SharedMemTransport` slot) and each co-located actor opens those
-segments through ``/proc/<pid>/fd`` and copies its version out at ``poll()``, the way NCCL
-and Ray's object store use shared memory within a node. Only actors that cannot open them
-(another node, another user) join the group.
+Weights cross as packed buckets, one ``broadcast`` per bucket for all workers, each with a
+checksum verified on arrival. Actors on the sender's own node take the node-local path
+(``ray_local``) instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import os
-import secrets
-import socket
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
-from weightsync.core.deadline import Deadline
-from weightsync.core.errors import WeightSyncTimeoutError
+from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local_channel import Message
-from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
-from weightsync.transports.shared_memory import Segment
+from weightsync.transports.ray_group import (
+    GroupInfo,
+    WeightGroup,
+    WireHook,
+    bucket_buffers,
+    free_port,
+    node_address,
+    wire_checksum,
+    wire_checksums,
+    wire_device,
+)
+from weightsync.transports.ray_local import (
+    NodeLocalInfo,
+    NodeLocalReceiver,
+    NodeLocalSender,
+    probe_node_local,
+)
+
+__all__ = [
+    "GroupInfo", "NodeLocalInfo", "NodeLocalReceiver", "NodeLocalSender", "RayTransport",
+    "WeightGroup", "bucket_buffers", "free_port", "node_address", "probe_node_local",
+    "wire_checksum", "wire_checksums",
+]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GroupInfo:
-    """Where and how to join one generation of the group (plain data: crosses Ray)."""
-
-    address: str
-    port: int
-    world_size: int
-    generation: int
-    backend: str
-    ranks: dict[int, int] = field(default_factory=dict)  # worker_idx -> rank
-    timeout_s: float = 60.0
-
-    def rank_of(self, worker_idx: int) -> int:
-        if worker_idx not in self.ranks:
-            raise KeyError(f"worker {worker_idx} is not a member of group generation "
-                           f"{self.generation} (members: {sorted(self.ranks)})")
-        return self.ranks[worker_idx]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
-def node_address() -> str:
-    """This node's address as the Ray cluster knows it (the address its raylet was started
-    with; never a hard-coded loopback), so the same code runs on a multi-node cluster."""
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
-            return str(node["NodeManagerAddress"])
-    return str(ray.util.get_node_ip_address())
-
-
-_TOKEN_BYTES = 16
-
-
-def current_node_id() -> str:
-    import ray
-
-    return str(ray.get_runtime_context().get_node_id())
-
-
-@dataclass
-class NodeLocalInfo:
-    """How an actor finds out whether it shares the sender's node and may open the sender's
-    segments (plain data: crosses Ray): a probe segment holding a token, at ``fd`` in the
-    sender process ``pid``."""
-
-    node_id: str
-    pid: int
-    fd: int
-    token: str
-
-
-def _open_foreign_fd(pid: int, fd: int) -> int:
-    """Open the file behind another process's descriptor (same host and user) via /proc."""
-    return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-
-
-def probe_node_local(info: NodeLocalInfo) -> bool:
-    """True if this process runs on the sender's node and can open its segments."""
-    if info.node_id != current_node_id():
-        return False
-    try:
-        fd = _open_foreign_fd(info.pid, info.fd)
-    except OSError as exc:
-        logger.info("cannot open the sender's segments (%s); using the broadcast", exc)
-        return False
-    try:
-        return os.pread(fd, _TOKEN_BYTES, 0).hex() == info.token
-    finally:
-        os.close(fd)
-
-
-class _Outbox:
-    """Stands in for a worker's channel in a :class:`SharedMemTransport`: keeps the segment
-    messages (fds by number) for the next Ray call to carry to that actor."""
-
-    def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = []
-        self.closed = False
-
-    def send(self, header: dict[str, Any], payload: Any = None, fds: Sequence[int] = (),
-             timeout: float | None = None) -> None:
-        self.messages.append({"header": header, "fds": list(fds)})
-
-    def take(self) -> list[dict[str, Any]]:
-        out, self.messages = self.messages, []
-        return out
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class NodeLocalSender:
-    """The sender's path to actors on its own node: a :class:`SharedMemTransport` (slot pool,
-    per-worker targets, tear-free reads under slot locks) whose segments the actors open
-    through ``/proc/<pid>/fd``. A send writes one slot whatever the number of actors."""
-
-    def __init__(self, max_slots: int) -> None:
-        self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
-        self._probe = Segment.create(_TOKEN_BYTES)
-        token = secrets.token_bytes(_TOKEN_BYTES)
-        os.pwrite(self._probe.fd, token, 0)
-        self.info = NodeLocalInfo(current_node_id(), os.getpid(), self._probe.fd, token.hex())
-        self._outboxes: dict[int, _Outbox] = {}
-
-    @property
-    def workers(self) -> set[int]:
-        return set(self._outboxes)
-
-    def attach(self, worker_idx: int) -> None:
-        if worker_idx not in self._outboxes:
-            self._outboxes[worker_idx] = outbox = _Outbox()
-            self.transport.attach_worker(worker_idx, outbox, at_latest=False)  # type: ignore[arg-type]
-
-    def detach(self, worker_idx: int) -> None:
-        if self._outboxes.pop(worker_idx, None) is not None:
-            self.transport.detach_worker(worker_idx)
-
-    def publish(self, flat: Mapping[str, torch.Tensor], worker_ids: Sequence[int], version: int,
-                timeout: float | None) -> None:
-        self.transport.publish(DEFAULT_MODEL_ID, flat, list(worker_ids), version, timeout)
-
-    def point_at_latest(self, worker_ids: Sequence[int]) -> None:
-        self.transport.point_at_latest(worker_ids)
-
-    def latest_buffers(self) -> dict[str, torch.Tensor]:
-        """The packed buffers of the newest version (stable until two sends later)."""
-        return self.transport.latest_buffers()
-
-    def messages_for(self, worker_idx: int) -> list[dict[str, Any]]:
-        outbox = self._outboxes.get(worker_idx)
-        return [] if outbox is None else outbox.take()
-
-    def close(self) -> None:
-        self.transport.close()
-        self._outboxes.clear()
-        self._probe.close()
-
-
-class NodeLocalReceiver:
-    """An actor's end of :class:`NodeLocalSender`: maps the segments the sender names and
-    applies the newest version it is pointed at, straight from shared memory."""
-
-    def __init__(self, worker_idx: int, sender_pid: int) -> None:
-        self.worker_idx = worker_idx
-        self.sender_pid = sender_pid
-        self.transport = SharedMemTransport()
-
-    def take_messages(self, messages: Sequence[dict[str, Any]]) -> None:
-        for message in messages:
-            fds = [_open_foreign_fd(self.sender_pid, n) for n in message["fds"]]
-            self.transport.handle_message(Message(header=message["header"], fds=fds))
-
-    @property
-    def layout(self) -> Layout | None:
-        return self.transport.receiver_layout(DEFAULT_MODEL_ID)
-
-    def published_version(self) -> int:
-        return self.transport.published_version(self.worker_idx)
-
-    def apply(self, dest: Mapping[str, torch.Tensor], held_version: int) -> int | None:
-        """Copy the newest version for this worker into ``dest`` if newer than ours."""
-        if self.layout is None:
-            return None
-        try:
-            return self.transport.apply_latest(self.worker_idx, dest, held_version, Deadline(1.0))
-        except WeightSyncTimeoutError:  # its slot's handle has not come yet: next time
-            return None
-
-    def close(self) -> None:
-        self.transport.close()
-
-
-class WeightGroup:
-    """One generation of the library's own process group, for one rank."""
-
-    def __init__(self, info: GroupInfo, rank: int, store: Any = None) -> None:
-        timeout = datetime.timedelta(seconds=info.timeout_s)
-        self.info = info
-        self.rank = rank
-        if store is None:
-            store = dist.TCPStore(info.address, info.port, info.world_size, rank == 0,
-                                  timeout=timeout, wait_for_workers=False)
-        self.store = store
-        prefixed = dist.PrefixStore(f"weightsync/gen{info.generation}", store)
-        if info.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, info.world_size, options)
-        elif info.backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, info.world_size, timeout)
-        else:
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {info.backend!r}")
-
-    def broadcast(self, buffers: list[torch.Tensor]) -> None:
-        """Broadcast each buffer from rank 0, all in flight at once, then wait."""
-        works = []
-        for buffer in buffers:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            works.append(self.pg.broadcast([buffer], opts))
-        for work in works:
-            work.wait()
-
-    def close(self) -> None:
-        self.pg = None
-
-
-def bucket_buffers(layout: Layout, buffers: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The flat per-device byte buffers of a packed layout, in a fixed order."""
-    return [buffers[device] for device in sorted(layout.nbytes_by_device)]
 
 
 class RayTransport:
@@ -270,6 +58,8 @@ class RayTransport:
     applies it to the model.
     """
 
+    wire_hook: ClassVar[WireHook | None] = None  # tests: corrupt received bytes "on the wire"
+
     def __init__(
         self,
         *,
@@ -278,6 +68,7 @@ class RayTransport:
         backend: str = "gloo",
         connection_info_name: str = "connection_info",
         model_id: str | None = None,
+        secret: str = "",
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -286,6 +77,7 @@ class RayTransport:
         self.backend = backend
         self.connection_info_name = connection_info_name
         self.model_id = model_id or "policy"
+        self.secret = secret  # the scheme's token (the rendezvous actor never holds it)
         self.group: WeightGroup | None = None
         self.layout: Layout | None = None
         self._model: Any = None
@@ -314,8 +106,9 @@ class RayTransport:
         buffers = self.layout.allocate()
         self.layout.pack(flat, buffers)
         version = self.version + 1
-        self._pending = self.remote_actor._weightsync_receive.remote(version, True)
-        self.group.broadcast(bucket_buffers(self.layout, buffers))
+        delivery = {"checked": True, "generation": self.group.info.generation}
+        self._pending = self.remote_actor._weightsync_receive.remote(version, True, None, delivery)
+        self.group.send_checked(bucket_buffers(self.layout, buffers))
         self.version = version
 
     def wait_ack(self, timeout: float | None = None) -> None:
@@ -350,17 +143,49 @@ class RayTransport:
     def joined(self) -> bool:
         return self.layout is not None and (self.group is not None or self.local is not None)
 
-    def _staging_device(self) -> str:
-        return f"cuda:{torch.cuda.current_device()}" if self.backend == "nccl" else "cpu"
+    def _staging_device(self) -> torch.device:
+        return wire_device(self.backend)
 
-    def take_broadcast(self) -> dict[str, torch.Tensor]:
+    def take_broadcast(self, timeout: float | None = None,
+                       checked: bool = True) -> dict[str, torch.Tensor]:
         """Receive one broadcast into a staging buffer (reused) and return it."""
-        if self.group is None or self.layout is None:
+        if self.layout is None:
             raise RuntimeError(f"worker {self.worker_idx} has not joined a group")
         if self._staging is None:
             self._staging = self.layout.allocate()
-        self.group.broadcast(bucket_buffers(self.layout, self._staging))
+        self.receive_into(self._staging, timeout, checked)
         return self._staging
+
+    def receive_into(self, buffers: dict[str, torch.Tensor], timeout: float | None = None,
+                     checked: bool = True, version: int | None = None) -> None:
+        """Take one broadcast into ``buffers`` within ``timeout`` seconds; if ``checked``,
+        verify every chunk against the sender's checksum: a mismatch raises IntegrityError."""
+        if self.group is None or self.layout is None:
+            raise RuntimeError(f"worker {self.worker_idx} has not joined a group")
+        wire = bucket_buffers(self.layout, buffers)
+        if not checked:
+            self.group.broadcast(wire, timeout)
+            return
+        bad = self.group.receive_checked(wire, timeout, RayTransport.wire_hook)
+        if bad:
+            raise IntegrityError(
+                f"worker {self.worker_idx}: {len(bad)} chunk(s) of version "
+                f"{'?' if version is None else version} arrived corrupted (first: chunk "
+                f"{bad[0]}, its checksum differs from the sender's); the version is dropped "
+                "and the worker keeps the one it holds"
+            )
+
+    def receive_unverified(self, buffers: dict[str, torch.Tensor], timeout: float | None,
+                           checked: bool) -> list[int] | None:
+        """Take one broadcast into ``buffers``; returns the sender's checksums (if
+        ``checked``) for the caller to verify before use."""
+        if self.group is None or self.layout is None:
+            raise RuntimeError(f"worker {self.worker_idx} has not joined a group")
+        wire = bucket_buffers(self.layout, buffers)
+        if not checked:
+            self.group.broadcast(wire, timeout)
+            return None
+        return self.group.receive_sums(wire, timeout, RayTransport.wire_hook)
 
     def receive_weights(
         self,
@@ -397,7 +222,7 @@ class RayTransport:
         info: dict[str, Any]
         layout_dict: dict[str, Any]
         info, layout_dict = ray.get(rendezvous.group_info.remote())
-        self.join(GroupInfo(**info), Layout.from_dict(layout_dict))
+        self.join(GroupInfo(**(info | {"secret": self.secret})), Layout.from_dict(layout_dict))
         return self.receive_weights(model=model, weights=weights, strategy=strategy)
 
     def attach_local(self, info: NodeLocalInfo) -> bool:
