@@ -225,7 +225,7 @@ class RayWeightReceiver(WeightReceiver):
                 return self._version
             if deadline.expired():
                 raise WeightSyncTimeoutError(
-                    f"worker {self.worker_idx}: nothing delivered within {deadline.timeout}s"
+                    f"worker {self.worker_idx}: nothing delivered within {deadline}"
                 )
             with self._arrived:
                 self._arrived.wait(deadline.slice(0.05))

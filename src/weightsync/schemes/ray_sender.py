@@ -249,7 +249,7 @@ class RayWeightSender(WeightSender):
                 break
             if deadline.expired():
                 raise WeightSyncTimeoutError(
-                    f"no actor for worker(s) {missing} within {deadline.timeout}s: pass the "
+                    f"no actor for worker(s) {missing} within {deadline}: pass the "
                     "handles to create_sender(workers) or register_workers(), or create the "
                     "actors (weightsync_setup) after the sender", worker_ids=missing,
                 )
@@ -391,7 +391,7 @@ class RayWeightSender(WeightSender):
         if silent:
             raise WeightSyncTimeoutError(
                 f"worker(s) {sorted(silent)} did not take version {version} within "
-                f"{deadline.timeout}s: {what}. The next send rebuilds the group without them "
+                f"{deadline}: {what}. The next send rebuilds the group without them "
                 "(a worker that answers again rejoins then).", worker_ids=list(silent))
         if missed or pending.broadcast_error:
             raise WeightSyncError(

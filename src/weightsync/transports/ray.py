@@ -1,7 +1,7 @@
-"""RayTransport (seed 003): Ray carries the signals, a torch.distributed group the bytes.
+"""RayTransport (TorchRL's RayTransport API): Ray carries the signals, a torch.distributed group the bytes.
 
 The group (``ray_group``) is weightsync's own, never the user's default process group.
-Rank 0 is the sender; worker ``i`` is rank ``i + 1`` (seed 003) unless the group was rebuilt
+Rank 0 is the sender; worker ``i`` is rank ``i + 1`` unless the group was rebuilt
 without some workers, in which case the rendezvous info maps worker indices to ranks.
 Weights cross as packed buckets, one ``broadcast`` per bucket for all workers, each with a
 checksum verified on arrival. Actors on the sender's own node take the node-local path
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class RayTransport:
-    """Weight transport to ONE Ray actor (seed 003); the scheme holds one per worker and
+    """Weight transport to ONE Ray actor; the scheme holds one per worker and
     drives the collective for all of them at once.
 
     Sender side: ``send_weights``/``send_weights_async`` + ``wait_ack`` signal the actor
@@ -121,7 +121,7 @@ class RayTransport:
         ray.get(pending, timeout=timeout)
 
     def setup_connection_and_weights_on_sender(self) -> None:
-        """Nothing per worker: the scheme creates the rendezvous and rank 0 (seed 003)."""
+        """Nothing per worker: the scheme creates the rendezvous and rank 0."""
 
     # ------------------------------------------------------------------ receiver side
     def set_model(self, model: Any) -> None:
@@ -214,7 +214,7 @@ class RayTransport:
         weights: Any | None = None,
     ) -> Any:
         """Fetch the rendezvous from the named Ray actor, join as rank ``worker_idx + 1``
-        and receive the initial weights (seed 003)."""
+        and receive the initial weights."""
         import ray
 
         self.worker_idx = worker_idx
