@@ -35,6 +35,18 @@ def _get(out: Any, timeout: float = 30) -> Any:
     return out.get(timeout=timeout)
 
 
+def _sender_with_worker(scheme: Any, workers: Any, target: Any = echo_worker) -> Any:
+    """A connected sender (of ``make_model()``) whose worker 0 runs ``target`` and has
+    reported its first event."""
+    workers.start(target, scheme, 0)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    event = _get(workers.out)
+    assert event[0] in ("connected", "forked"), event
+    return sender
+
+
 # ---------------------------------------------------------------- goodbyes
 def goodbye_worker(scheme: Any, idx: int, out: Any, stop: Any, last: int) -> None:
     model = make_model()
@@ -171,11 +183,7 @@ def test_receivers_learn_of_a_dead_trainer_whose_fork_keeps_its_sockets(local_sc
 
 def test_a_forked_child_closing_its_copy_disconnects_nobody(local_scheme, workers):
     scheme = local_scheme(num_workers=1, timeout=30)
-    workers.start(echo_worker, scheme, 0)
-    sender = scheme.create_sender()
-    sender.register_model(make_model())
-    sender.connect(timeout=30)
-    assert _get(workers.out)[0] == "connected"
+    sender = _sender_with_worker(scheme, workers)
     pid = os.fork()
     if pid == 0:
         sender.close()
@@ -201,11 +209,7 @@ def forking_worker(scheme: Any, idx: int, out: Any, stop: Any) -> None:
 
 def test_a_dead_worker_whose_fork_keeps_its_socket_can_restart(local_scheme, workers):
     scheme = local_scheme(num_workers=1, timeout=30)
-    workers.start(forking_worker, scheme, 0)
-    sender = scheme.create_sender()
-    sender.register_model(make_model())
-    sender.connect(timeout=30)
-    assert _get(workers.out)[0] == "forked"
+    sender = _sender_with_worker(scheme, workers, forking_worker)
     workers.kill(0)
     workers.start(echo_worker, scheme, 0)
     event = _get(workers.out, 20)
@@ -252,11 +256,7 @@ def test_close_from_another_thread_during_a_large_poll_is_safe(workers):
 # ---------------------------------------------------------------- dropped senders
 def test_a_dropped_sender_is_collected_and_its_workers_told(local_scheme, workers):
     scheme = local_scheme(num_workers=1, timeout=30)
-    workers.start(echo_worker, scheme, 0)
-    sender = scheme.create_sender()
-    sender.register_model(make_model())
-    sender.connect(timeout=30)
-    assert _get(workers.out)[0] == "connected"
+    sender = _sender_with_worker(scheme, workers)
     del sender
     gc.collect()
     deadline = time.monotonic() + 5

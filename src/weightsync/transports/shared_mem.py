@@ -313,14 +313,7 @@ class SharedMemTransport:
                         f"worker {self._worker_idx}: no weights for model {model_id!r} within "
                         f"{deadline}"
                     )
-                if pump is not None:
-                    self._lock.release()
-                    try:
-                        pump(deadline.slice(0.05))
-                    finally:
-                        self._lock.acquire()
-                else:
-                    self._slot_arrived.wait(deadline.slice(0.05))
+                self._wait_for_slot(deadline, pump)
             return self._receiver_models[model_id].layout
 
     def published_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
@@ -358,8 +351,8 @@ class SharedMemTransport:
         )
 
     def _wait_for_slot(self, deadline: Deadline, pump: Any) -> None:
-        """Wait a little for a slot's handle still on its way (read by ``pump`` when no
-        background thread reads the channel)."""
+        """Wait a little for a segment message still on its way (read by ``pump`` when no
+        background thread reads the channel). The lock is reentrant: callers may hold it."""
         with self._lock:
             if pump is not None:
                 self._lock.release()
