@@ -90,7 +90,13 @@ class LocalReceiver(WeightReceiver):
     def _newer_available(self) -> bool:
         """A cheap look: may a version newer than ours be ready to apply? (When False,
         ``poll`` returns at once without resolving the model's tensors.)"""
-        return True
+        return self._delivered > self._version
+
+    def newer_published(self) -> bool:
+        """Has the sender published a version newer than the one this worker holds? A cheap
+        look that applies nothing. ``poll()`` may still return None for a moment (a new
+        shared-memory slot's handle in flight); ``receive(timeout)`` waits for it."""
+        return self._newer_available()
 
     # ================================================================== reader thread
     def _run_reader(self) -> None:
@@ -124,13 +130,14 @@ class LocalReceiver(WeightReceiver):
     _ack_on_delivery = True
 
     def _mark_delivered(self, version: int, channel: Channel) -> None:
+        # recorded before the ack: once the sender hears of it, poll() must find it
+        with self._cond:
+            self._delivered = max(self._delivered, version)
+            self._cond.notify_all()
         # before connect() has checked the layout and applied a version, nothing is acked:
         # connect() acks what it applied, or reports the mismatch instead
         if self._ack_on_delivery and self._version != NO_VERSION:
             channel.send({"t": "ack", "v": version}, timeout=self.scheme.timeout)
-        with self._cond:
-            self._delivered = max(self._delivered, version)
-            self._cond.notify_all()
 
     def _applied(self, version: int) -> int:
         logger.debug("worker %d applied version %d", self.worker_idx, version)
