@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import tempfile
 from pathlib import Path
@@ -52,6 +53,12 @@ def shutdown_engine(llm: Any, engine_procs: set[Any], timeout: float = 60.0) -> 
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+    # our own children (vLLM's engine core) are reaped through multiprocessing, so that it
+    # records their exit: reaped behind its back, they would look alive to it forever
+    pids = {proc.pid for proc in before}
+    for child in multiprocessing.active_children():
+        if child.pid in pids:
+            child.join(timeout)
     _, alive = psutil.wait_procs(before, timeout=timeout)
     for proc in alive:  # never leave a process behind, even when the test fails
         proc.kill()
