@@ -281,3 +281,22 @@ def test_cuda_ipc_handles_are_typed_fields_never_unpickled(tmp_path):
     assert isinstance(decoded["handle"], bytes) and not os.path.exists(marker)
     with pytest.raises(ValueError, match="must be an int"):
         checked_fields(fields | {"device": "0"})
+
+
+def _scheme_made_elsewhere() -> Any:
+    return ws.MultiProcessWeightSyncScheme(num_workers=1, timeout=10)
+
+
+def test_a_trainer_outside_the_creators_process_tree_is_refused(tmp_path):
+    from other_user import run_in_child
+
+    scheme = run_in_child(_scheme_made_elsewhere)  # created (and owned) by another process
+    marker = str(tmp_path / "pwned")
+    ready, seen = threading.Event(), []
+    thread = threading.Thread(target=_impostor, args=(scheme.address, marker, ready, seen, 1))
+    thread.start()
+    ready.wait(5)
+    outcome = _receiver_connect(scheme)
+    thread.join(15)
+    assert "nor one of its descendants" in outcome
+    assert seen == [], "the worker must not even say hello to such a process"

@@ -80,3 +80,26 @@ class ProcessWatch:
 
     def __del__(self) -> None:
         self.close()
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` as /proc reports it, or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+        return int(stat[stat.rfind(b")") + 2 :].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_same_or_descendant(pid: int, ancestor: int, max_depth: int = 64) -> bool:
+    """True if ``pid`` is ``ancestor`` or one of its descendants (walking /proc parents)."""
+    for _ in range(max_depth):
+        if pid == ancestor:
+            return True
+        parent = parent_pid(pid)
+        if parent is None or parent <= 1:
+            return False
+        pid = parent
+    return False
+

@@ -30,6 +30,9 @@ class LocalScheme(WeightSyncScheme):
         self.address = new_address()
         self.token = secrets.token_hex(16)
         self.uid = os.getuid()  # only processes of this user may connect, on either side
+        # the trainer must be this process or one of its descendants: a receiver refuses
+        # any other process found at the address, whatever it knows
+        self.creator_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, timeout={self.timeout})"

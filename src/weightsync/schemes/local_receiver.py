@@ -22,7 +22,7 @@ from weightsync.core.errors import (
 )
 from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
-from weightsync.core.liveness import ProcessWatch
+from weightsync.core.liveness import ProcessWatch, is_same_or_descendant
 from weightsync.core.versions import NO_VERSION
 from weightsync.schemes.base import WeightReceiver
 from weightsync.schemes.local import LocalScheme
@@ -177,6 +177,12 @@ class LocalReceiver(WeightReceiver):
                     f"worker {idx}: refused the process at the sender's address (pid "
                     f"{peer.pid}): it runs as uid {peer.uid}, the scheme's user is uid "
                     f"{self.scheme.uid}"
+                )
+            if not is_same_or_descendant(peer.pid, self.scheme.creator_pid):
+                raise WeightSyncError(
+                    f"worker {idx}: refused the process at the sender's address (pid "
+                    f"{peer.pid}): it is neither the process that created the scheme (pid "
+                    f"{self.scheme.creator_pid}) nor one of its descendants"
                 )
             challenge = read_frame(channel.socket, deadline.remaining)
             sender_nonce = challenge.get("nonce")
