@@ -11,6 +11,7 @@ import multiprocessing as mp
 import torch
 
 import weightsync as ws
+from weightsync.units import format_duration
 
 
 def make_policy() -> torch.nn.Module:
@@ -56,7 +57,9 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             version = sender.send()
-        print(f"trainer sent {version} versions; stats: {sender.stats()['last']['phases']}")
+        phases = sender.stats()["last"]["phases"]
+        timing = ", ".join(f"{name} {format_duration(sec)}" for name, sec in phases.items())
+        print(f"trainer sent {version} versions; the last one took {timing}")
     finals = dict(results.get(timeout=30) for _ in procs)
     for p in procs:
         p.join(30)
