@@ -128,19 +128,15 @@ def sigint_ignored() -> Iterator[None]:
 
 def process_collectors(transport: str, workers: int, seed: int) -> Collectors:
     """Collector processes (spawned) over SharedMem, MultiProcess or the directory."""
-    from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
-    from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
-    from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
+    from weightsync.schemes.registry import scheme_class
 
     directory: str | None = None
     if transport == "file":
         directory = tempfile.mkdtemp(prefix="weightsync-demo-",
                                      dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-        scheme: Any = VLLMDoubleBufferSyncScheme(directory, num_workers=workers, timeout=60)
-    elif transport == "mp":
-        scheme = MultiProcessWeightSyncScheme(num_workers=workers, timeout=60)
+        scheme: Any = scheme_class("file")(directory, num_workers=workers, timeout=60)
     else:
-        scheme = SharedMemWeightSyncScheme(num_workers=workers, timeout=60)
+        scheme = scheme_class(transport)(num_workers=workers, timeout=60)
     ctx = mp.get_context("spawn")
     out, stop_event = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_process_collector, args=(scheme, i, out, stop_event, seed),

@@ -107,11 +107,9 @@ def bench_local(transport: str, nbytes: int, workers: int, repeats: int, floor: 
     """Time ``repeats`` sends to ``workers`` collector processes through ``transport``, and
     before each send one copy of the same bytes in the trainer (the floor, taken under the
     same load: the workers are running). ``floor`` is a first estimate, for pacing."""
-    from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
-    from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
+    from weightsync.schemes.registry import scheme_class
 
-    scheme_cls = {"shm": SharedMemWeightSyncScheme, "mp": MultiProcessWeightSyncScheme}[transport]
-    scheme = scheme_cls(num_workers=workers, timeout=300)
+    scheme = scheme_class(transport)(num_workers=workers, timeout=300)
     if zero_copy and not supports_zero_copy(scheme):
         return LocalTimes(skipped="this build's SharedMem receivers take no zero_copy=")
     ctx = mp.get_context("spawn")
