@@ -95,9 +95,9 @@ def _receiver_connect(scheme: Any) -> str:
     return "connected"
 
 
-@pytest.mark.parametrize("scheme_cls", [ws.SharedMemWeightSyncScheme, ws.MultiProcessWeightSyncScheme])
-def test_impostor_without_the_token_is_refused_and_learns_nothing(scheme_cls, tmp_path):
-    scheme = scheme_cls(num_workers=1, timeout=10)
+def _connect_past_an_impostor(scheme: Any, tmp_path: Path) -> tuple[str, list[bytes], str]:
+    """A receiver connects while an impostor (a thread of this process) holds the address:
+    what connect() said, the hellos the impostor saw, and the file its pickle would make."""
     marker = str(tmp_path / "pwned")
     ready, seen = threading.Event(), []
     thread = threading.Thread(target=_impostor, args=(scheme.address, marker, ready, seen, 1))
@@ -105,6 +105,13 @@ def test_impostor_without_the_token_is_refused_and_learns_nothing(scheme_cls, tm
     ready.wait(5)
     outcome = _receiver_connect(scheme)
     thread.join(15)
+    return outcome, seen, marker
+
+
+@pytest.mark.parametrize("scheme_cls", [ws.SharedMemWeightSyncScheme, ws.MultiProcessWeightSyncScheme])
+def test_impostor_without_the_token_is_refused_and_learns_nothing(scheme_cls, tmp_path):
+    scheme = scheme_cls(num_workers=1, timeout=10)
+    outcome, seen, marker = _connect_past_an_impostor(scheme, tmp_path)
     assert "could not prove it holds the scheme's token" in outcome
     assert not os.path.exists(marker), "the impostor's pickle ran in the worker"
     assert seen and all(scheme.token.encode() not in hello for hello in seen)
@@ -232,6 +239,9 @@ def _sender_that_keeps_working(scheme: Any, workers: Any, attack: Any, fd_slack:
     assert time.monotonic() - t0 < 10
     version = sender.send(timeout=10)
     assert workers.out.get(timeout=20)[:3] == ("version", 0, version)
+    deadline = time.monotonic() + 7  # unanswered handshakes expire after 5 s
+    while _open_fds() > fds_before + fd_slack and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _open_fds() <= fds_before + fd_slack, "the attack left descriptors open in the trainer"
     sender.close()
 
@@ -291,12 +301,6 @@ def test_a_trainer_outside_the_creators_process_tree_is_refused(tmp_path):
     from other_user import run_in_child
 
     scheme = run_in_child(_scheme_made_elsewhere)  # created (and owned) by another process
-    marker = str(tmp_path / "pwned")
-    ready, seen = threading.Event(), []
-    thread = threading.Thread(target=_impostor, args=(scheme.address, marker, ready, seen, 1))
-    thread.start()
-    ready.wait(5)
-    outcome = _receiver_connect(scheme)
-    thread.join(15)
+    outcome, seen, _marker = _connect_past_an_impostor(scheme, tmp_path)
     assert "nor one of its descendants" in outcome
     assert seen == [], "the worker must not even say hello to such a process"
