@@ -25,6 +25,7 @@ from weightsync.core.errors import (
     WeightSyncTimeoutError,
 )
 from weightsync.core.layout import Layout
+from weightsync.core.staging import StagingBuffers
 from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION
 from weightsync.schemes.base import WeightReceiver, WeightSyncScheme
@@ -32,7 +33,7 @@ from weightsync.schemes.ray_sender import RayWeightSender
 from weightsync.transports.ray import RayTransport
 from weightsync.transports.ray_group import GroupInfo
 from weightsync.transports.ray_local import NodeLocalInfo
-from weightsync.transports.ray_staging import CheckedStaging
+from weightsync.transports.ray_staging import checked_staging
 
 __all__ = ["RayWeightReceiver", "RayWeightSender", "RayWeightSyncScheme", "Rendezvous"]
 
@@ -125,7 +126,7 @@ class RayWeightReceiver(WeightReceiver):
             worker_idx=worker_idx, backend=scheme.backend,
             connection_info_name=scheme.connection_info_name, secret=scheme.secret,
         )
-        self._staging: CheckedStaging | None = None
+        self._staging: StagingBuffers | None = None
         self._arrived = threading.Condition()
         self._failure: WeightSyncError | None = None  # a delivery that failed, for poll()
         self._rendezvous: Any = None
@@ -165,7 +166,7 @@ class RayWeightReceiver(WeightReceiver):
         if self.transport.local is not None:
             self._staging = None  # poll() copies straight out of the sender's slots
         elif self._staging is None or self._staging.layout != self.transport.layout:
-            self._staging = CheckedStaging(self.transport.layout, self.worker_idx)
+            self._staging = checked_staging(self.transport.layout, self.worker_idx)
 
     def take(self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None,
              delivery: dict[str, Any] | None = None) -> int:
