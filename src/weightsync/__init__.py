@@ -20,8 +20,8 @@ _LAZY: dict[str, str] = {
     "WorkerLostError": "weightsync.core.errors",
     "Layout": "weightsync.core.layout",
     "WeightStrategy": "weightsync.core.strategy",
-    "WeightReceiver": "weightsync.schemes.base",
-    "WeightSender": "weightsync.schemes.base",
+    "WeightReceiver": "weightsync.schemes.receiver",
+    "WeightSender": "weightsync.schemes.sender",
     "WeightSyncScheme": "weightsync.schemes.base",
     "VLLMDoubleBufferSyncScheme": "weightsync.schemes.double_buffer",
     "VLLMDoubleBufferWeightReceiver": "weightsync.schemes.double_buffer",
@@ -50,7 +50,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from weightsync.core.layout import Layout
     from weightsync.core.strategy import WeightStrategy
     from weightsync.integrations.ray import RayWeightReceiverMixin
-    from weightsync.schemes.base import WeightReceiver, WeightSender, WeightSyncScheme
+    from weightsync.schemes.base import WeightSyncScheme
+    from weightsync.schemes.receiver import WeightReceiver
+    from weightsync.schemes.sender import WeightSender
     from weightsync.schemes.double_buffer import (
         VLLMDoubleBufferSyncScheme,
         VLLMDoubleBufferWeightReceiver,

@@ -225,7 +225,7 @@ def close_during_poll_worker(scheme: Any, idx: int, out: Any, stop: Any) -> None
     receiver.connect(timeout=60)
     while receiver.version < 1:
         time.sleep(0.01)
-        if receiver._newer_available():
+        if receiver.newer_published():
             break
     closer = threading.Timer(0.005, receiver.close)
     closer.start()

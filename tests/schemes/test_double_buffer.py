@@ -365,12 +365,12 @@ def test_cuda_weights_use_slots_registered_with_cuda(directory):
     sender = scheme.create_sender()
     sender.register_model(source)
     sender.update_weights()
-    writer_slots = list(sender._writer._slots.values())
+    writer_slots = list(sender.writer._slots.values())
     assert writer_slots and all(s.cuda_registered for s in writer_slots)  # pinned D2H copies
     receiver = scheme.create_receiver(0)
     receiver.register_model(local)
     assert receiver.connect(timeout=30) == 0
-    reader_slots = list(receiver._reader._slots.values())
+    reader_slots = list(receiver.reader._slots.values())
     assert reader_slots and all(s.cuda_registered for s in reader_slots)  # pinned H2D copies
     for name, tensor in source.items():
         assert torch.equal(local[name], tensor.bfloat16().float()), name

@@ -35,6 +35,20 @@ class WorkerLostError(WeightSyncError):
         self.version = version
 
 
+    @classmethod
+    def naming(cls, why: dict[int, str], version: int) -> WorkerLostError:
+        """One error naming every worker in ``why`` (worker -> reason) that did not get
+        ``version``; the others did."""
+        ids = sorted(why)
+        detail = "; ".join(f"worker {w}: {why[w]}" for w in ids)
+        return cls(
+            f"lost worker(s) {ids} while sending version {version} ({detail}); the other "
+            "workers got it, and a restarted worker with the same index gets the current "
+            "version when it connects",
+            worker_ids=ids, version=version,
+        )
+
+
 class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
     """A blocking call ran past its deadline; ``worker_ids`` names who did not answer, if known."""
 

@@ -1,19 +1,44 @@
 """The same-host schemes' shared description: ``num_workers`` processes of this host,
 reached at an abstract Unix socket address, authenticated by a per-scheme token.
 
-The sender side lives in ``schemes.local_sender`` (membership and the send lifecycle; its
-hub thread, in ``transports.local_hub``, admits authenticated workers) and the receiver
-side in ``schemes.local_receiver`` (the handshake and a reader thread).
+The ends are the common :class:`~weightsync.schemes.sender.WeightSender` and
+:class:`~weightsync.schemes.receiver.WeightReceiver`, handed the transport's writer and
+reader (``transports/shm_endpoints.py``, ``transports/mp_endpoints.py``).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from dataclasses import dataclass, field
 
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.transports.local_channel import new_address
+from weightsync.transports.local_link import LocalLink
+
+
+def check_num_workers(num_workers: object) -> int:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    return num_workers
+
+
+@dataclass(frozen=True)
+class SameHostConfig:
+    """Where the trainer listens and who may connect; validated once, never changed."""
+
+    num_workers: int
+    address: str = field(default_factory=new_address)
+    token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    #: only processes of this user may connect, on either side
+    uid: int = field(default_factory=os.getuid)
+    #: the trainer must be this process or one of its descendants: a receiver refuses
+    #: any other process found at the address, whatever it knows
+    creator_pid: int = field(default_factory=os.getpid)
+
+    def __post_init__(self) -> None:
+        check_num_workers(self.num_workers)
 
 
 class LocalScheme(WeightSyncScheme):
@@ -24,15 +49,29 @@ class LocalScheme(WeightSyncScheme):
         strategy: WeightStrategy | None = None,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        self.num_workers = num_workers
-        self.address = new_address()
-        self.token = secrets.token_hex(16)
-        self.uid = os.getuid()  # only processes of this user may connect, on either side
-        # the trainer must be this process or one of its descendants: a receiver refuses
-        # any other process found at the address, whatever it knows
-        self.creator_pid = os.getpid()
+        self.config = SameHostConfig(num_workers)
+
+    @property
+    def num_workers(self) -> int:
+        return self.config.num_workers
+
+    @property
+    def address(self) -> str:
+        return self.config.address
+
+    @property
+    def token(self) -> str:
+        return self.config.token
+
+    def _link(self, worker_idx: int) -> LocalLink:
+        """Worker ``worker_idx``'s connection to the trainer (index checked here)."""
+        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        if worker_idx >= self.num_workers:
+            raise ValueError(f"worker_idx {worker_idx} is out of range: the scheme has "
+                             f"num_workers={self.num_workers}")
+        c = self.config
+        return LocalLink(c.address, c.token, c.uid, c.creator_pid, worker_idx, self.timeout)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, timeout={self.timeout})"

@@ -1,5 +1,7 @@
 """A worker's end of the directory protocol: find a committed version, lock and verify its
-slot, acknowledge what was applied. Never blocks: each step either succeeds or says why not."""
+slot, apply it (into the model, or through a loader such as vLLM's ``load_weights``),
+acknowledge what was applied. It is the scheme's reader
+(:class:`~weightsync.core.endpoints.WeightReader`): ``poll()`` never sleeps."""
 
 from __future__ import annotations
 
@@ -7,10 +9,15 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
-from weightsync.core.errors import IntegrityError
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import IntegrityError, SenderLostError
+from weightsync.core.layout import Layout
 from weightsync.transports.directory import (
     Ack,
     Commit,
@@ -27,15 +34,34 @@ from weightsync.transports.directory_files import check_directory, write_json_at
 
 #: How long a reader trusts that the sender it saw alive still is (seconds).
 ALIVE_RECHECK_S = 0.05
+#: a poll retries at once (no sleep) when the manifest moved under it
+POLL_ATTEMPTS = 3
+
+#: applies a version from ``(name, tensor)`` pairs instead of a registered model
+Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+
+def check_layout_matches(sent: Layout, local: dict[str, torch.Tensor], who: str) -> None:
+    """Names and shapes must match; dtypes may differ (the copy casts, e.g. bf16 slots)."""
+    sent.check_compatible(
+        Layout.from_weights(local), self_name="the slot", other_name=who, ignore_dtype=True
+    )
 
 
 class DirectoryReader:
     """Reads committed versions of one directory for worker ``worker_idx``."""
 
-    def __init__(self, directory: Path, worker_idx: int, *, mode: int) -> None:
+    views_model = False
+
+    def __init__(self, directory: Path, worker_idx: int, *, mode: int,
+                 poll_interval: float = 0.005) -> None:
         self.directory = directory
         self.worker_idx = worker_idx
         self.mode = mode
+        self.poll_interval = poll_interval
+        self.loader: Loader | None = None
+        self.expecting = f"committed weights in {directory}"
+        self._layout_checked: tuple[str, tuple[tuple[Any, ...], ...]] | None = None
         self._checked = False
         self._slots: dict[int, SlotFile] = {}
         self._host = socket.gethostname()
@@ -127,5 +153,65 @@ class DirectoryReader:
         for slot in self._slots.values():
             slot.register_with_cuda()
 
-    def close(self) -> None:
+    # ------------------------------------------------------------------ as the scheme's reader
+    def open(self, local: Layout | None, deadline: Deadline) -> None:
+        """Nothing to join: versions are read from the directory, no live sender needed
+        (the layout is checked against the slot at the first apply)."""
+
+    def newer_available(self, version: int) -> bool:
+        manifest = self.manifest()
+        return manifest is not None and manifest.for_worker(self.worker_idx).version > version
+
+    def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
+                     deadline: Deadline) -> int | None:
+        """Apply the newest version committed for this worker if newer than ``version``;
+        while its slot is busy, retry until ``deadline`` (a poll: a few times at once)."""
+        attempts = POLL_ATTEMPTS if deadline.timeout == 0 else None
+        tried = 0
+        while True:
+            manifest = self.manifest()
+            if manifest is None:
+                return None
+            commit = manifest.for_worker(self.worker_idx)
+            if commit.version <= version:
+                return None
+            if self.apply_commit(commit, dest):
+                return commit.version
+            tried += 1
+            if attempts is not None:
+                if tried >= attempts:
+                    return None
+                continue
+            if deadline.expired():
+                return None
+            time.sleep(deadline.slice(self.poll_interval))
+
+    def apply_commit(self, commit: Commit, dest: dict[str, torch.Tensor]) -> bool:
+        """Apply ``commit`` if its slot can be read now; False if it is busy or gone."""
+        with self.locked(commit) as slot:
+            if slot is None:
+                return False
+            if self.loader is not None:
+                self.loader(slot.tensors())
+                return True
+            if any(t.is_cuda for t in dest.values()):
+                self.pin_for_cuda()
+            key = (slot.layout.fingerprint, tuple((name, *t.shape) for name, t in dest.items()))
+            if self._layout_checked != key:
+                check_layout_matches(slot.layout, dest, f"worker {self.worker_idx}")
+                self._layout_checked = key
+            slot.layout.unpack(slot.buffers, dest)
+            return True
+
+    def wait(self, version: int, deadline: Deadline) -> None:
+        time.sleep(deadline.slice(self.poll_interval))
+
+    def check_sender(self, version: int) -> None:
+        if not self.sender_alive():
+            raise SenderLostError(
+                f"worker {self.worker_idx} (at version {version}): no live sender holds "
+                f"{self.directory}; the last committed version stays usable"
+            )
+
+    def close(self, dest: dict[str, torch.Tensor] | None = None) -> None:
         close_slots(self._slots)

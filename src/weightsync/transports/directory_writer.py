@@ -88,6 +88,7 @@ class DirectoryWriter:
         #: versions up to this one were published by an earlier sender
         self.recovered_version = self._manifest.latest.version if self._manifest else NO_VERSION
         self.published = self.recovered_version
+        self.held: dict[int, int] = {}  # each worker's last acknowledged version
         if removed or self._manifest:
             logger.info("recovered %s at version %s (%d stale temp files removed)",
                         directory, self.published, removed)
@@ -253,6 +254,33 @@ class DirectoryWriter:
                     f"within {deadline}{detail}", worker_ids=slow,
                 )
             time.sleep(deadline.slice(self.poll_interval))
+
+    # ------------------------------------------------------------------ as the scheme's writer
+    needs_acks = True
+
+    def start(self, deadline: Deadline) -> None:
+        """Nothing to meet: workers read the directory whenever they look."""
+
+    def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
+                version: int, deadline: Deadline) -> dict[int, str]:
+        """Write and commit ``version`` for ``requested``; every worker can read it."""
+        done = self.commit(flat, layout, requested, len(requested) == self.num_workers, deadline)
+        assert done.version == version, (done.version, version)
+        return {}
+
+    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
+        """The commit was the delivery: workers find it in the manifest."""
+        return {}
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: dict[int, str]) -> None:
+        self.wait_acks(version, targets, deadline, self.held)
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        self.wait_acks(version, list(range(self.num_workers)), deadline, self.held)
+
+    def held_versions(self) -> dict[int, int]:
+        return dict(self.held)
 
     def close(self) -> None:
         close_slots(self._slots)

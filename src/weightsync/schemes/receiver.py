@@ -1,0 +1,201 @@
+"""A worker's end of every scheme: applying whole versions, written once.
+
+A :class:`WeightReceiver` is handed its transport's :class:`~weightsync.core.endpoints.WeightReader`
+and owns what every transport shares: the registered model (resolved again at each apply),
+the version it holds, one deadline per call, and the apply lock that keeps ``close()``
+(from any thread) from releasing memory an apply is reading. A version is applied only
+inside ``connect()``, ``poll()`` and ``receive()``: never behind the worker's back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import WeightReader
+from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
+from weightsync.core.fork_safety import track_for_fork
+from weightsync.core.layout import Layout
+from weightsync.core.strategy import flat_tensors
+from weightsync.core.versions import NO_VERSION
+from weightsync.schemes.base import Closable
+
+if TYPE_CHECKING:
+    from weightsync.schemes.base import WeightSyncScheme
+
+logger = logging.getLogger(__name__)
+
+#: how long ``receive()`` waits on the transport between two looks
+_WAIT_SLICE = 0.05
+
+
+class WeightReceiver(Closable):
+    """Worker side: holds one model and applies whole versions to it, only when asked.
+    Created by ``scheme.create_receiver(worker_idx)``."""
+
+    def __init__(self, scheme: WeightSyncScheme, worker_idx: int, reader: WeightReader) -> None:
+        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        self.scheme = scheme
+        self.worker_idx = worker_idx
+        self.reader = reader
+        self._model: Any = None
+        self._dest: dict[str, torch.Tensor] | None = None
+        self._version = NO_VERSION
+        # held while a version is applied: close() waits for it
+        self._apply_lock = threading.Lock()
+        self._closed = False
+        self._forked_copy = False
+        track_for_fork(self)
+
+    # ------------------------------------------------------------------ model
+    def register_model(self, model: Any) -> None:
+        """The local model that received weights are written into."""
+        dest = flat_tensors(model, what="register_model")
+        Layout.from_weights(dest)  # refuses meta-device and sparse tensors now, by name
+        self._dest = dest
+        self._model = model
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def version(self) -> int:
+        """The version the local model holds now (-1 before connect)."""
+        return self._version
+
+    def _destination(self) -> dict[str, torch.Tensor]:
+        """The model's tensors as they are now. Resolved again at each apply, so a model
+        changed after ``register_model`` (``load_state_dict(assign=True)``, a replaced
+        submodule) receives the weights instead of tensors it no longer uses."""
+        if self._dest is None:
+            raise RuntimeError(
+                f"worker {self.worker_idx}: call register_model(model) before connect()"
+            )
+        fresh = flat_tensors(self._model, what=f"worker {self.worker_idx}'s model")
+        if fresh.keys() != self._dest.keys() or any(
+            fresh[k] is not t and (fresh[k].shape != t.shape or fresh[k].dtype != t.dtype
+                                   or fresh[k].device != t.device)
+            for k, t in self._dest.items()
+        ):
+            Layout.from_weights(self._dest).check_compatible(
+                Layout.from_weights(fresh), self_name="the model as registered",
+                other_name=f"worker {self.worker_idx}'s model now",
+            )
+        self._dest = fresh
+        if self.reader.views_model:
+            return self._own_tensors(fresh)
+        return fresh
+
+    def _own_tensors(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """For a reader that re-points ``.data`` (zero-copy): the model's own Parameter and
+        buffer objects, so optimizers, hooks and ``state_dict()`` keep working."""
+        if isinstance(self._model, torch.nn.Module):
+            return dict(self._model.state_dict(keep_vars=True))
+        if isinstance(self._model, Mapping) and all(
+            isinstance(t, torch.Tensor) for t in self._model.values()
+        ):
+            return dict(self._model)
+        raise TypeError(
+            f"worker {self.worker_idx}: zero_copy=True needs an nn.Module or a flat dict of "
+            f"tensors (their .data is re-pointed), got {type(self._model).__name__}"
+        )
+
+    # ------------------------------------------------------------------ API
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.scheme.timeout if timeout is None else timeout)
+
+    def connect(self, timeout: float | None = None) -> int:
+        """Join the sender, receive and apply the current version; returns it."""
+        deadline = self._deadline(timeout)
+        self._check_open()
+        dest = self._destination()
+        try:
+            self.reader.open(Layout.from_weights(dest) if dest else None, deadline)
+        except SchemaMismatchError:
+            self.close()
+            raise
+        while True:
+            with self._apply_lock:
+                self._check_open()
+                applied = self.reader.apply_newest(self._destination(), self._version, deadline)
+            if applied is not None:
+                self._version = applied
+                break
+            if self._version > NO_VERSION:
+                break  # a version was applied before (a Ray actor the sender drove)
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"worker {self.worker_idx}: no {self.reader.expecting} within {deadline}"
+                )
+            self.reader.wait(self._version, deadline)
+        self.reader.ack(self._version)
+        logger.info("worker %d connected, holds version %d", self.worker_idx, self._version)
+        return self._version
+
+    def poll(self) -> int | None:
+        """Apply the newest delivered version if newer than ours; never blocks. A version
+        delivered before the sender died is still applied; after that the loss is raised."""
+        with self._apply_lock:
+            self._check_open()
+            if self.reader.newer_available(self._version):
+                applied = self.reader.apply_newest(self._destination(), self._version,
+                                                   Deadline(0))
+                if applied is not None:
+                    return self._applied(applied)
+        self.reader.check_sender(self._version)
+        return None
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Block for a newer version (up to ``timeout``, default the scheme's) and apply it;
+        None if none came in time."""
+        deadline = self._deadline(timeout)
+        while True:
+            with self._apply_lock:
+                self._check_open()
+                applied = self.reader.apply_newest(self._destination(), self._version,
+                                                   Deadline(deadline.slice(_WAIT_SLICE)))
+                if applied is not None:
+                    return self._applied(applied)
+            self.reader.check_sender(self._version)
+            if deadline.expired():
+                return None
+            self.reader.wait(self._version, deadline)
+
+    def newer_published(self) -> bool:
+        """Has the sender published a version newer than the one this worker holds? A cheap
+        look that applies nothing (``poll()`` may still return None for a moment while the
+        version is on its way; ``receive(timeout)`` waits for it)."""
+        return self.reader.newer_available(self._version)
+
+    def _applied(self, version: int) -> int:
+        logger.debug("worker %d applied version %d", self.worker_idx, version)
+        self._version = version
+        self.reader.ack(version)
+        return version
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"worker {self.worker_idx}: this receiver is closed")
+
+    def close(self) -> None:
+        """Leave the sender (a clean goodbye, not a loss) and release everything; waits for
+        an apply in progress in another thread."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._apply_lock:
+            dest = None
+            if self._dest is not None and self._version > NO_VERSION:
+                try:
+                    dest = self._destination()
+                except Exception as exc:  # the model is gone or changed: nothing to keep
+                    logger.debug("worker %d: model not resolved at close: %s",
+                                 self.worker_idx, exc)
+            self.reader.close(dest)

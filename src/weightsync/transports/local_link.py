@@ -1,0 +1,217 @@
+"""A worker's connection to a same-host trainer: the authenticated handshake and a reader
+thread for the trainer's messages.
+
+The trainer must run as the scheme's user, be the process that created the scheme (or one
+of its descendants) and prove it holds the scheme's token; the token never crosses the
+socket. The reader thread records versions announced to this worker, hands transport
+messages to the transport that holds the link, and notices a trainer that left or died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import SenderLostError, WeightSyncError, WeightSyncTimeoutError
+from weightsync.core.liveness import ProcessWatch, is_same_or_descendant
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local_auth import (
+    HandshakeError,
+    new_nonce,
+    peer_credentials,
+    proofs_match,
+    read_frame,
+    sender_proof,
+    worker_proof,
+)
+from weightsync.transports.local_channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    Message,
+    connect_channel,
+)
+from weightsync.transports.local_hub import HUB_TICK
+from weightsync.transports.local_members import ACK, BYE, CLOSE, MISMATCH, VERSION
+
+logger = logging.getLogger(__name__)
+
+#: a transport message from the trainer, taken in the reader thread; True if it was one
+MessageEvent = Callable[[Message, Channel], bool]
+
+
+class LocalLink:
+    """Worker ``worker_idx``'s authenticated connection to the trainer at ``address``."""
+
+    def __init__(self, address: str, token: str, uid: int, creator_pid: int,
+                 worker_idx: int, timeout: float) -> None:
+        self.address, self.token, self.uid = address, token, uid
+        self.creator_pid = creator_pid
+        self.worker_idx = worker_idx
+        self.timeout = timeout
+        self.channel: Channel | None = None
+        self.cond = threading.Condition()
+        self.delivered = NO_VERSION  # newest version announced to this worker
+        self.acked = NO_VERSION
+        self.sender_lost: str | None = None
+        self._sender_watch: ProcessWatch | None = None
+        self._reader: threading.Thread | None = None
+        self._on_message: MessageEvent | None = None
+        self._stop = False
+
+    # ------------------------------------------------------------------ joining
+    def open(self, deadline: Deadline, on_message: MessageEvent) -> Channel:
+        """Connect, authenticate both ways and start the reader thread."""
+        if self.channel is not None:
+            raise RuntimeError(f"worker {self.worker_idx} is already connected")
+        try:
+            channel = self._handshake(deadline)
+        except (ChannelTimeout, TimeoutError) as exc:
+            raise WeightSyncTimeoutError(f"worker {self.worker_idx}: {exc}") from exc
+        except (ChannelClosed, HandshakeError) as exc:
+            raise SenderLostError(f"worker {self.worker_idx}: sender hung up: {exc}") from exc
+        self.channel = channel
+        self._on_message = on_message
+        self._reader = threading.Thread(
+            target=self._run_reader, name=f"weightsync-reader-{self.worker_idx}", daemon=True
+        )
+        self._reader.start()
+        return channel
+
+    def _handshake(self, deadline: Deadline) -> Channel:
+        """Connect to the sender and authenticate both ways; an impostor bound to the
+        address (after the trainer died) learns nothing and is refused before anything it
+        sends is used."""
+        idx = self.worker_idx
+        channel = connect_channel(self.address, deadline.remaining())
+        try:
+            peer = peer_credentials(channel.socket)
+            if peer.uid != self.uid:
+                raise WeightSyncError(
+                    f"worker {idx}: refused the process at the sender's address (pid "
+                    f"{peer.pid}): it runs as uid {peer.uid}, the scheme's user is uid {self.uid}"
+                )
+            if not is_same_or_descendant(peer.pid, self.creator_pid):
+                raise WeightSyncError(
+                    f"worker {idx}: refused the process at the sender's address (pid "
+                    f"{peer.pid}): it is neither the process that created the scheme (pid "
+                    f"{self.creator_pid}) nor one of its descendants"
+                )
+            challenge = read_frame(channel.socket, deadline.remaining)
+            sender_nonce = challenge.get("nonce")
+            if challenge.get("t") != "challenge" or not isinstance(sender_nonce, str):
+                raise WeightSyncError(f"worker {idx}: the sender's address answered with "
+                                      f"{challenge.get('t')!r}, not a challenge")
+            nonce = new_nonce()
+            channel.send({
+                "t": "hello", "worker_idx": idx, "pid": os.getpid(), "nonce": nonce,
+                "proof": worker_proof(self.token, sender_nonce, nonce, idx),
+            }, timeout=deadline.slice(10.0))
+            reply = read_frame(channel.socket, deadline.remaining)
+            if reply.get("t") == "refused":
+                raise WeightSyncError(
+                    f"worker {idx}: the sender refused the connection: {reply.get('error')}"
+                )
+            expected = sender_proof(self.token, sender_nonce, nonce, idx)
+            if reply.get("t") != "welcome" or not proofs_match(expected, reply.get("proof")):
+                raise WeightSyncError(
+                    f"worker {idx}: the process at the sender's address (pid {peer.pid}) "
+                    "could not prove it holds the scheme's token: refusing it"
+                )
+        except BaseException:
+            channel.close()
+            raise
+        self._sender_watch = ProcessWatch(peer.pid)
+        return channel
+
+    # ------------------------------------------------------------------ reader thread
+    def _run_reader(self) -> None:
+        channel = self.channel
+        assert channel is not None and self._on_message is not None
+        while not self._stop:
+            try:
+                if not channel.readable(HUB_TICK):
+                    watch = self._sender_watch
+                    if watch is not None and watch.dying():  # a forked child may hold the socket
+                        self._set_sender_lost(f"the sender's process (pid {watch.pid}) died")
+                        return
+                    continue
+                if self._stop:
+                    return
+                message = channel.recv_header(timeout=self.timeout)
+                kind = message.header.get("t")
+                if kind == VERSION:
+                    self.mark_delivered(int(message.header["v"]))
+                elif kind == CLOSE:
+                    self._set_sender_lost("the sender closed")
+                    return
+                elif not self._on_message(message, channel):
+                    logger.debug("worker %d ignored message %r", self.worker_idx, kind)
+            except (ChannelClosed, ChannelTimeout, OSError) as exc:
+                if not self._stop:
+                    self._set_sender_lost(f"connection to the sender lost: {exc}")
+                return
+
+    def mark_delivered(self, version: int) -> None:
+        with self.cond:
+            self.delivered = max(self.delivered, version)
+            self.cond.notify_all()
+
+    def _set_sender_lost(self, why: str) -> None:
+        if self.sender_lost is None:
+            clean = why == "the sender closed"
+            (logger.info if clean else logger.warning)("worker %d: %s", self.worker_idx, why)
+        with self.cond:
+            self.sender_lost = why
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ the reader's needs
+    def ack(self, version: int, timeout: float = 1.0) -> None:
+        """Tell the trainer this worker holds (or has the bytes of) ``version``, once."""
+        if self.channel is None or version <= self.acked:
+            return
+        self.acked = version
+        with contextlib.suppress(ChannelClosed, ChannelTimeout):
+            self.channel.send({"t": ACK, "v": version}, timeout=timeout)
+
+    def report_mismatch(self, error: str) -> None:
+        if self.channel is not None:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout):
+                self.channel.send({"t": MISMATCH, "error": error}, timeout=1.0)
+
+    def check_connected(self) -> None:
+        if self.channel is None:
+            raise RuntimeError(f"worker {self.worker_idx}: call connect() first")
+
+    def check_sender(self, version: int) -> None:
+        self.check_connected()
+        if self.sender_lost is not None:
+            raise SenderLostError(
+                f"worker {self.worker_idx} (at version {version}): {self.sender_lost}"
+            )
+
+    def wait(self, version: int, deadline: Deadline, newer: Callable[[], bool]) -> None:
+        """Wait a short while for a version newer than ``version`` (``newer()`` looks)."""
+        with self.cond:
+            if self.sender_lost is not None:
+                raise SenderLostError(
+                    f"worker {self.worker_idx} (at version {version}): {self.sender_lost}"
+                )
+            if not newer():
+                self.cond.wait(deadline.slice(0.05))
+
+    def close(self) -> None:
+        """Say goodbye (a clean leave, not a loss), stop the reader thread."""
+        self._stop = True
+        if self.channel is not None:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                self.channel.send_nowait({"t": BYE})
+            self.channel.close()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        if self._sender_watch is not None:
+            self._sender_watch.close()

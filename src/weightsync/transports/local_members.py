@@ -1,0 +1,272 @@
+"""Who is connected to a same-host trainer: the hub's owner on the trainer's side.
+
+:class:`Members` is handed the authenticated workers by the hub (``local_hub.py``) and keeps,
+for each worker index, its channel, its process watch and the version it confirmed. It
+tells the transport that holds it of joins and losses through two callbacks (events, not
+subclass hooks), and answers the waits of the send lifecycle: until targets confirmed a
+version, until every worker holds one. A worker that said goodbye is not lost, and a dead
+worker is reported by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import Losses
+from weightsync.core.errors import (
+    SchemaMismatchError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+    WorkerLostError,
+)
+from weightsync.core.liveness import ProcessWatch
+from weightsync.core.versions import NO_VERSION, VersionTable
+from weightsync.transports.local_auth import PeerCredentials
+from weightsync.transports.local_channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    Message,
+    hung_up,
+)
+from weightsync.transports.local_hub import HUB_TICK, Hub
+
+logger = logging.getLogger(__name__)
+
+#: control messages of the same-host protocol (the "t" field of a frame's header)
+WELCOME, REFUSED, ACK, MISMATCH, BYE, CLOSE, VERSION = (
+    "welcome", "refused", "ack", "mismatch", "bye", "close", "version")
+
+JoinEvent = Callable[[int, Channel], None]
+LostEvent = Callable[[int], None]
+
+
+class Members:
+    """The workers of one same-host sender, admitted by its hub."""
+
+    def __init__(self, address: str, token: str, uid: int, num_workers: int,
+                 on_join: JoinEvent, on_lost: LostEvent) -> None:
+        self.num_workers = num_workers
+        self._on_join = on_join
+        self._on_lost = on_lost
+        self.table = VersionTable(num_workers)
+        self.cond = threading.Condition()
+        # held while a worker joins and while a version is published, so that a joining
+        # worker is either among the targets or finds the version already there
+        self.joining = threading.RLock()
+        self._channels: dict[int, Channel] = {}
+        self._why: dict[int, str] = {}
+        self._watches: dict[int, ProcessWatch] = {}
+        self._goodbyes: set[int] = set()
+        # binds the address now (a second open sender of the scheme is refused at once);
+        # its thread starts with start(), so workers wait in the listen queue until then
+        self.hub = Hub(address, token, uid, self)
+
+    # ================================================================== hub events
+    def hub_channels(self) -> dict[int, Channel]:
+        with self.cond:
+            return dict(self._channels)
+
+    def admit(self, channel: Channel, hello: dict[str, Any], peer: PeerCredentials,
+              welcome_proof: str) -> None:
+        """An authenticated worker said hello: join it, or tell it why not."""
+        refusal = self._check_hello(hello)
+        if refusal is not None:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                channel.send_nowait({"t": REFUSED} | refusal)
+            channel.close()
+            return
+        with self.joining:
+            self._join(int(hello["worker_idx"]), channel, peer.pid, welcome_proof)
+
+    def on_message(self, worker_idx: int, channel: Channel, message: Message) -> None:
+        kind = message.header.get("t")
+        with self.cond:
+            if self._channels.get(worker_idx) is not channel:
+                return
+            state = self.table.workers[worker_idx]
+            if kind == ACK:
+                version = message.header.get("v")
+                if isinstance(version, int):
+                    state.version = max(state.version, version)
+            elif kind == MISMATCH:
+                state.error = self._why[worker_idx] = str(message.header.get("error"))[:2000]
+            elif kind == BYE:
+                self._goodbyes.add(worker_idx)
+            self.cond.notify_all()
+
+    def on_hangup(self, worker_idx: int, channel: Channel, why: str) -> None:
+        if worker_idx in self._goodbyes:
+            self.mark_lost(worker_idx, channel, "closed its receiver", goodbye=True)
+        else:
+            self.mark_lost(worker_idx, channel, f"connection closed ({why}); did the process die?")
+
+    def _join(self, idx: int, channel: Channel, pid: int, welcome_proof: str) -> None:
+        with self.cond:
+            old = self._channels.pop(idx, None)
+            if old is not None:
+                old.close()
+            state = self.table.workers[idx]
+            state.connected, state.lost, state.error = True, False, None
+            state.pid, state.version = pid, NO_VERSION
+            self._why.pop(idx, None)
+            self._goodbyes.discard(idx)
+            self._channels[idx] = channel
+            self._watch(idx, pid)
+            self.cond.notify_all()
+        try:
+            channel.send({"t": WELCOME, "worker_idx": idx, "proof": welcome_proof}, timeout=5.0)
+            self._on_join(idx, channel)
+        except (ChannelClosed, ChannelTimeout, OSError) as exc:
+            self.mark_lost(idx, channel, f"failed while joining: {exc}")
+            return
+        logger.info("worker %d connected (pid %d)", idx, pid)
+
+    def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any] | None:
+        idx = hello.get("worker_idx")
+        if not isinstance(idx, int) or not 0 <= idx < self.num_workers:
+            return {"kind": "index", "error": f"worker_idx {idx!r} is out of range: this "
+                    f"scheme has num_workers={self.num_workers}"}
+        with self.cond:
+            current = self._channels.get(idx)
+            watch = self._watches.get(idx)
+        if current is not None and not current.peer_closed():
+            if watch is not None and watch.dying():  # a forked child may keep its socket open
+                self.mark_lost(idx, current, f"process {watch.pid} is dead")
+            else:
+                pid = self.table.workers[idx].pid
+                return {"kind": "index", "error": f"worker {idx} is already connected (pid {pid})"}
+        return None
+
+    def mark_lost(self, idx: int, channel: Channel, why: str, *, goodbye: bool = False) -> None:
+        """Worker ``idx`` (on ``channel``; a newer channel is left alone) is gone: say why."""
+        with self.cond:
+            if self._channels.get(idx) is not channel:
+                return
+            del self._channels[idx]
+            self._watch(idx, None)
+            state = self.table.workers[idx]
+            state.connected, state.lost = False, True
+            self._why[idx] = why
+            self.cond.notify_all()
+        self._on_lost(idx)
+        channel.close()
+        (logger.debug if goodbye else logger.warning)(
+            "worker %d %s: %s", idx, "left" if goodbye else "lost", why)
+
+    def _watch(self, idx: int, pid: Any) -> None:
+        """Start (or, with no pid, stop) watching worker ``idx``'s process; under cond."""
+        old = self._watches.pop(idx, None)
+        if old is not None:
+            old.close()
+        if isinstance(pid, int):
+            self._watches[idx] = ProcessWatch(pid)
+
+    # ================================================================== the lifecycle's needs
+    def start(self) -> None:
+        if not self.hub.running and self.hub.error is None:
+            self.hub.start()
+
+    def check_hub(self) -> None:
+        """Raise if the hub thread failed: no worker could join or ack any more."""
+        if self.hub.error is not None:
+            raise WeightSyncError(
+                f"the sender's connection hub stopped ({self.hub.error!r}); workers can no "
+                "longer join: close this sender and create a new one"
+            )
+
+    def drop_dead(self, worker_ids: list[int]) -> None:
+        """Mark lost the workers whose socket hung up or whose process is dead or being
+        killed. One ``poll`` for all sockets and one ``pread`` per worker: cheap."""
+        with self.cond:
+            candidates = [(w, self._channels[w], self._watches.get(w))
+                          for w in worker_ids if w in self._channels]
+        closed = hung_up([channel for _, channel, _ in candidates])
+        for w, channel, watch in candidates:
+            if channel in closed:
+                self.mark_lost(w, channel, "connection closed; did the process die?")
+            elif watch is not None and watch.dying():
+                self.mark_lost(w, channel, f"process {watch.pid} is dead or being killed")
+
+    def reachable(self, targets: list[int]) -> tuple[list[tuple[int, Channel]], Losses]:
+        """The targets' channels, and {worker: why} for those not connected."""
+        with self.cond:
+            found = [(w, self._channels[w]) for w in targets if w in self._channels]
+            gone = {w: self._why.get(w, "not connected") for w in targets
+                    if w not in self._channels}
+        return found, gone
+
+    def held_versions(self) -> dict[int, int]:
+        with self.cond:
+            return {w: self.table.workers[w].version for w in self._channels}
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: Losses) -> None:
+        with self.cond:
+            while True:
+                self.check_hub()
+                slow = []
+                for w in targets:
+                    if w in lost:
+                        continue
+                    state = self.table.workers[w]
+                    if state.version >= version:
+                        continue  # acked (a worker that acked and then left is not lost)
+                    if state.lost or w not in self._channels:
+                        lost[w] = self._why.get(w, "connection lost")
+                    else:
+                        slow.append(w)
+                if not slow:
+                    return
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker(s) {slow} did not confirm version {version} within "
+                        f"{deadline} (they are alive but not answering)", worker_ids=slow)
+                self.cond.wait(deadline.slice(HUB_TICK))
+
+    def wait_joined(self, version: int, deadline: Deadline,
+                    refresh: Callable[[], None] | None = None) -> None:
+        """Until every worker holds ``version`` or newer (``refresh`` reads versions the
+        workers recorded elsewhere, e.g. shared memory)."""
+        with self.cond:
+            while True:
+                self.check_hub()
+                if refresh is not None:
+                    refresh()
+                workers = self.table.workers.values()
+                failed = {w.worker_idx: w.error for w in workers if w.error}
+                if failed:
+                    idx, why = next(iter(failed.items()))
+                    raise SchemaMismatchError(f"worker {idx} refused the weights: {why}")
+                waiting = [w.worker_idx for w in workers if w.version < version]
+                if not waiting:
+                    return
+                if deadline.expired():
+                    lost = [w for w in waiting if self.table.workers[w].lost]
+                    if lost:
+                        raise WorkerLostError.naming(
+                            {w: self._why.get(w, 'connection lost') for w in lost}, version)
+                    raise WeightSyncTimeoutError(
+                        f"connect: worker(s) {waiting} did not connect and take version "
+                        f"{version} within {deadline} (connected: {sorted(self._channels)})",
+                        worker_ids=waiting,
+                    )
+                self.cond.wait(deadline.slice(HUB_TICK))
+
+    def close(self) -> None:
+        """Stop the hub and tell every worker the sender left."""
+        self.hub.stop()
+        with self.cond:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            for idx in list(self._watches):
+                self._watch(idx, None)
+        for channel in channels:
+            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                channel.send_nowait({"t": CLOSE})
+            channel.close()

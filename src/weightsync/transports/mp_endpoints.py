@@ -1,0 +1,198 @@
+"""The MultiProcess transport's two ends as the send lifecycle drives them.
+
+:class:`StreamWriter`: each version is packed once into a snapshot from a pool; one streamer
+thread per worker writes the newest snapshot to that worker's socket, so workers are served
+independently and a send waits only for the acks (which carry the version).
+:class:`StreamReader`: the worker's reader thread stages the bytes and acks them;
+``poll()`` copies the staged version into the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import Losses
+from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
+from weightsync.core.layout import Layout
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local_channel import Channel, Message
+from weightsync.transports.local_link import LocalLink
+from weightsync.transports.local_members import Members
+from weightsync.transports.multiprocess import MPTransport
+from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer
+
+#: the MultiProcess transport's messages
+LAYOUT, WEIGHTS = "mp.layout", "mp.weights"
+
+
+def _weak_callback(method: Callable[[int, Channel, str], None]) -> Callable[[int, Channel, str], None]:
+    """``method`` called through a weak reference, so a streamer thread never keeps its
+    writer (and so its sender) alive: a dropped sender must be collected and closed."""
+    ref = weakref.WeakMethod(method)
+
+    def call(worker_idx: int, channel: Channel, why: str) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(worker_idx, channel, why)
+
+    return call
+
+
+class StreamWriter:
+    """The trainer's end: a snapshot pool and one streamer per worker."""
+
+    needs_acks = True
+
+    def __init__(self, address: str, token: str, uid: int, num_workers: int,
+                 timeout: float) -> None:
+        self.timeout = timeout
+        self.num_workers = num_workers
+        self._pool: SnapshotPool | None = None
+        self._streamers: dict[int, Streamer] = {}
+        self._streamers_lock = threading.Lock()
+        self.members = Members(address, token, uid, num_workers,
+                               on_join=self._joined, on_lost=self._lost)
+
+    def start(self, deadline: Deadline) -> None:
+        self.members.start()
+
+    def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
+                version: int, deadline: Deadline) -> Losses:
+        self.members.check_hub()
+        if self._pool is None:
+            self._pool = SnapshotPool(layout, self.num_workers + 2)
+        with self.members.joining:
+            _, lost = self.members.reachable(requested)
+            self._pool.fill(flat, version, deadline)
+        return lost
+
+    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
+        reachable, lost = self.members.reachable(targets)
+        for w, channel in reachable:
+            self._streamer(w, channel).offer(version, deadline)
+        return lost
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: Losses) -> None:
+        self.members.wait_acked(targets, version, deadline, lost)
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        self.members.wait_joined(version, deadline)
+
+    def held_versions(self) -> dict[int, int]:
+        return self.members.held_versions()
+
+    def _streamer(self, worker_idx: int, channel: Channel) -> Streamer:
+        with self._streamers_lock:
+            streamer = self._streamers.get(worker_idx)
+            if streamer is None or streamer.channel is not channel:
+                if streamer is not None:
+                    streamer.stop()
+                assert self._pool is not None
+                streamer = Streamer(worker_idx, channel, self._pool, self.timeout,
+                                    _weak_callback(self._stream_failed))
+                self._streamers[worker_idx] = streamer
+            return streamer
+
+    def _stream_failed(self, worker_idx: int, channel: Channel, why: str) -> None:
+        self.members.mark_lost(worker_idx, channel, why)
+
+    def _joined(self, worker_idx: int, channel: Channel) -> None:
+        """A (re)joining worker gets the newest version from its own streamer: the hub
+        never blocks on a transfer."""
+        if self._pool is not None and self._pool.latest is not None:
+            self._streamer(worker_idx, channel).offer(self._pool.latest.version)
+
+    def _lost(self, worker_idx: int) -> None:
+        with self._streamers_lock:
+            streamer = self._streamers.pop(worker_idx, None)
+        if streamer is not None:
+            streamer.stop()
+
+    def close(self) -> None:
+        self.members.close()
+        with self._streamers_lock:
+            streamers = list(self._streamers.values())
+            self._streamers.clear()
+        for streamer in streamers:
+            streamer.stop()
+        if self._pool is not None:
+            self._pool.clear()
+
+
+class StreamReader:
+    """A worker's end: bytes staged by the reader thread, applied at the worker's call."""
+
+    views_model = False
+
+    def __init__(self, link: LocalLink) -> None:
+        self.link = link
+        self.worker_idx = link.worker_idx
+        self.expecting = "weights from the sender"
+        self.transport: MPTransport | None = None
+        self._layout_arrived = threading.Event()
+        self._acking = False  # acks start once connect() has checked and applied
+
+    def _on_message(self, message: Message, channel: Channel) -> bool:
+        if self.transport is None:
+            self.transport = MPTransport(channel, timeout=self.link.timeout)
+        kind = message.header.get("t")
+        if kind not in (LAYOUT, WEIGHTS):
+            return False
+        staged = self.transport.handle_message(
+            message, lambda view: channel.recv_payload_into(view, self.link.timeout)
+        )
+        if kind == LAYOUT:
+            self._layout_arrived.set()
+        if staged is not None:
+            # recorded before the ack: once the sender hears of it, poll() must find it
+            self.link.mark_delivered(staged)
+            if self._acking:
+                self.link.ack(staged, timeout=self.link.timeout)
+        return True
+
+    def open(self, local: Layout | None, deadline: Deadline) -> None:
+        self.link.open(deadline, self._on_message)
+        while not self._layout_arrived.wait(deadline.slice(0.1)):
+            self.link.check_sender(NO_VERSION)
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"worker {self.worker_idx}: the sender sent no weights within {deadline}")
+        assert self.transport is not None and self.transport.sender_layout is not None
+        if local is not None:
+            try:
+                self.transport.sender_layout.check_compatible(
+                    local, other_name=f"worker {self.worker_idx}")
+            except SchemaMismatchError as exc:
+                self.link.report_mismatch(str(exc))
+                raise
+
+    def newer_available(self, version: int) -> bool:
+        self.link.check_connected()
+        return self.link.delivered > version
+
+    def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
+                     deadline: Deadline) -> int | None:
+        self.link.check_connected()
+        if self.transport is None:
+            return None
+        return self.transport.apply_staged(dest, version)
+
+    def wait(self, version: int, deadline: Deadline) -> None:
+        self.link.wait(version, deadline, lambda: self.link.delivered > version)
+
+    def check_sender(self, version: int) -> None:
+        self.link.check_sender(version)
+
+    def ack(self, version: int) -> None:
+        """Versions are acked as their bytes arrive; connect() acks the one it applied."""
+        self._acking = True  # and a version that arrived meanwhile is acked here
+        self.link.ack(max(version, self.link.delivered), timeout=10.0)
+
+    def close(self, dest: dict[str, torch.Tensor] | None) -> None:
+        self.link.close()

@@ -1,0 +1,164 @@
+"""The SharedMem transport's two ends as the send lifecycle drives them.
+
+:class:`SharedMemWriter`: workers admitted by the hub (``local_members.py``) are attached to
+the shared slots; a version is published by one packed write into a free slot, and that
+is delivery: a worker's next ``poll()`` takes it. Only workers blocked in ``receive()``
+get a notice, sent without blocking. :class:`SharedMemReader`: copies the newest slot into
+the model, or (zero-copy) points the model's tensors at read-only views of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import Losses
+from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
+from weightsync.core.layout import Layout
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.local_link import LocalLink
+from weightsync.transports.local_members import VERSION, Members
+from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
+
+logger = logging.getLogger(__name__)
+
+
+class SharedMemWriter:
+    """The trainer's end: one write per send into a slot no worker reads."""
+
+    needs_acks = False  # a published slot is delivered: the next poll() takes it
+
+    def __init__(self, address: str, token: str, uid: int, num_workers: int,
+                 max_slots: int) -> None:
+        self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
+        self.members = Members(address, token, uid, num_workers,
+                               on_join=self.transport.attach_worker,
+                               on_lost=self.transport.detach_worker)
+
+    def start(self, deadline: Deadline) -> None:
+        self.members.start()
+
+    def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
+                version: int, deadline: Deadline) -> Losses:
+        self.members.check_hub()
+        self.members.drop_dead(requested)  # no acks: a dead worker is found here or never
+        with self.members.joining:
+            reachable, lost = self.members.reachable(requested)
+            targets = [w for w, _ in reachable]
+            self.transport.publish(DEFAULT_MODEL_ID, flat, targets, version, deadline.remaining())
+        return lost
+
+    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
+        """Publishing delivered the version; wake only the workers blocked in receive()."""
+        reachable, lost = self.members.reachable(targets)
+        for w, channel in reachable:
+            if not self.transport.worker_waiting(w):
+                continue
+            try:
+                if not channel.send_nowait({"t": VERSION, "v": version}):
+                    # a worker that does not read its notices is lagging, not waited on
+                    logger.debug("worker %d is not reading its notices (lagging)", w)
+            except (ChannelClosed, ChannelTimeout) as exc:
+                lost[w] = f"could not be notified: {exc}"
+        return lost
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: Losses) -> None:
+        """Nothing to wait for: publishing is delivery."""
+
+    def _refresh_versions(self) -> None:
+        """The versions the workers wrote into shared memory as they applied (under cond)."""
+        for idx, state in self.members.table.workers.items():
+            if state.connected:
+                state.version = max(state.version, self.transport.applied_version(idx))
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        self.members.wait_joined(version, deadline, refresh=self._refresh_versions)
+
+    def held_versions(self) -> dict[int, int]:
+        with self.members.cond:
+            self._refresh_versions()
+        return self.members.held_versions()
+
+    def close(self) -> None:
+        self.members.close()
+        self.transport.close()
+
+
+class SharedMemReader:
+    """A worker's end: applies the newest slot its target names, at the worker's call."""
+
+    def __init__(self, link: LocalLink, *, zero_copy: bool) -> None:
+        self.link = link
+        self.worker_idx = link.worker_idx
+        self.expecting = "weights from the sender"
+        self.views_model = zero_copy
+        self.transport = SharedMemTransport()
+
+    def _on_message(self, message: Message, channel: Channel) -> bool:
+        return self.transport.handle_message(message)
+
+    def open(self, local: Layout | None, deadline: Deadline) -> None:
+        self.link.open(deadline, self._on_message)
+        while True:
+            try:
+                sent = self.transport.wait_for_model(DEFAULT_MODEL_ID,
+                                                     Deadline(deadline.slice(0.1)))
+                break
+            except WeightSyncTimeoutError:
+                self.link.check_sender(NO_VERSION)
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker {self.worker_idx}: the sender sent no weights within "
+                        f"{deadline}") from None
+        if local is not None:
+            try:
+                sent.check_compatible(local, other_name=f"worker {self.worker_idx}")
+            except SchemaMismatchError as exc:
+                self.link.report_mismatch(str(exc))
+                raise
+
+    def newer_available(self, version: int) -> bool:
+        self.link.check_connected()
+        return self.transport.published_version(self.worker_idx) != version
+
+    def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
+                     deadline: Deadline) -> int | None:
+        self.link.check_connected()
+        if self.views_model:
+            with torch.no_grad():
+                return self.transport.adopt_latest(self.worker_idx, dest, version, deadline)
+        return self.transport.apply_latest(self.worker_idx, dest, version, deadline)
+
+    def wait(self, version: int, deadline: Deadline) -> None:
+        # raise the flag first, then look: a version published after the look is noticed
+        # (should the two race, the next 50 ms slice of the wait finds it)
+        self.transport.set_waiting(self.worker_idx, True)
+        try:
+            self.link.wait(version, deadline,
+                           lambda: self.transport.published_version(self.worker_idx) > version)
+        finally:
+            self.transport.set_waiting(self.worker_idx, False)
+
+    def check_sender(self, version: int) -> None:
+        self.link.check_sender(version)
+
+    def ack(self, version: int) -> None:
+        """After connect, over the socket (the trainer's connect() waits for it); later
+        versions are recorded in shared memory by ``apply_latest``."""
+        if self.link.acked == NO_VERSION:
+            self.link.ack(version, timeout=10.0)
+
+    def close(self, dest: dict[str, torch.Tensor] | None) -> None:
+        if self.views_model and dest is not None:
+            # the model keeps the version it holds, as its own copy: once the slot's lock
+            # is gone the sender may rewrite that memory
+            with torch.no_grad():
+                for tensor in dest.values():
+                    tensor.data = tensor.data.clone()
+        self.link.close()
+        self.transport.close()
