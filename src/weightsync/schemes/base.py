@@ -8,16 +8,10 @@ or reader (``core/endpoints.py``).
 from __future__ import annotations
 
 import abc
-import contextlib
-from typing import TYPE_CHECKING
-
-from typing_extensions import Self
 
 from weightsync.core.strategy import WeightStrategy
-
-if TYPE_CHECKING:
-    from weightsync.schemes.receiver import WeightReceiver
-    from weightsync.schemes.sender import WeightSender
+from weightsync.schemes.receiver import WeightReceiver
+from weightsync.schemes.sender import WeightSender
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -40,23 +34,3 @@ class WeightSyncScheme(abc.ABC):
     @abc.abstractmethod
     def create_receiver(self, worker_idx: int = 0) -> WeightReceiver:
         """The end for worker ``worker_idx``."""
-
-
-class Closable:
-    """``close()``, ``with`` and close-on-garbage-collection, for senders and receivers."""
-
-    _closed = False
-
-    def close(self) -> None:
-        self._closed = True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            if not self._closed:
-                self.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,10 +23,7 @@ from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import flat_tensors
 from weightsync.core.versions import NO_VERSION
-from weightsync.schemes.base import Closable
-
-if TYPE_CHECKING:
-    from weightsync.schemes.base import WeightSyncScheme
+from weightsync.schemes.closing import Closable, SyncSettings
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +35,7 @@ class WeightReceiver(Closable):
     """Worker side: holds one model and applies whole versions to it, only when asked.
     Created by ``scheme.create_receiver(worker_idx)``."""
 
-    def __init__(self, scheme: WeightSyncScheme, worker_idx: int, reader: WeightReader) -> None:
+    def __init__(self, scheme: SyncSettings, worker_idx: int, reader: WeightReader) -> None:
         if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
             raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
         self.scheme = scheme

@@ -18,18 +18,16 @@ import torch
 
 from weightsync.core.deadline import Deadline, human_duration
 from weightsync.core.endpoints import Losses, WeightWriter
+from weightsync.core.errors import WeightSyncError, WorkerLostError
+from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
 from weightsync.core.stats import SendRecord, SendStats
 from weightsync.core.strategy import flat_tensors
 from weightsync.core.versions import NO_VERSION, VersionTable
-from weightsync.core.errors import WeightSyncError, WorkerLostError
-from weightsync.core.fork_safety import track_for_fork
-from weightsync.schemes.base import Closable
+from weightsync.schemes.closing import Closable, SyncSettings
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
-
-    from weightsync.schemes.base import WeightSyncScheme
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ class WeightSender(Closable):
     """Trainer side: publishes versions of one model's weights to the workers through
     ``writer``. Created by ``scheme.create_sender()``."""
 
-    def __init__(self, scheme: WeightSyncScheme, writer: WeightWriter,
+    def __init__(self, scheme: SyncSettings, writer: WeightWriter,
                  num_workers: int, resumed_version: int = NO_VERSION) -> None:
         self.scheme = scheme
         self.writer = writer
