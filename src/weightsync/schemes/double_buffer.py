@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme

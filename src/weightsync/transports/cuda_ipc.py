@@ -9,9 +9,19 @@ rebuilds the buffer with classes it chooses itself, so a peer can never make it 
 from __future__ import annotations
 
 import base64
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+#: torch's refcounted shared-memory files start with a 64-byte header; the counters follow
+_REFCOUNTED_HEADER = 64
 
 # field name -> type, in the order torch's rebuild takes them after (cls, size, stride, ...)
 _FIELDS: dict[str, type] = {
@@ -88,3 +98,59 @@ def open_cuda_buffer(fields: Any) -> torch.Tensor:
         f["storage_offset_bytes"], False, f["ref_counter_handle"], f["ref_counter_offset"],
         f["event_handle"] or None, f["event_sync_required"],
     )
+
+
+@dataclass(frozen=True)
+class ConsumerCount:
+    """Where torch counts the processes that opened one shared CUDA buffer: the int64 at
+    ``index`` of the shared-memory file ``handle``. A consumer adds one when it opens the
+    buffer and takes it back when it releases it; the producer frees the memory (at
+    ``torch.cuda.ipc_collect()``) only once the count is back to zero. A consumer killed
+    with the buffer open never takes its one back, which pins the memory until the
+    producer exits, unless the producer takes it back for it."""
+
+    handle: bytes
+    index: int
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> ConsumerCount:
+        f = checked_fields(fields)
+        return cls(f["ref_counter_handle"], f["ref_counter_offset"])
+
+    def path(self) -> str:
+        name = self.handle.decode("ascii", errors="strict")
+        if "/" in name.lstrip("/") or not name.strip("/"):
+            raise ValueError(f"not a shared-memory file name: {name!r}")
+        return "/dev/shm/" + name.lstrip("/")
+
+
+def counts_to_take_back(opened: dict[int, set[ConsumerCount]], dead: set[int]) -> list[ConsumerCount]:
+    """The counts that dead workers left on buffers they opened: one per (worker, buffer).
+    Workers that closed cleanly released theirs (and cleared their record first), so only
+    ``dead`` ones are taken back; a buffer opened by two dead workers is taken back twice."""
+    return [count for worker in sorted(dead) for count in sorted(
+        opened.get(worker, set()), key=lambda c: (c.handle, c.index))]
+
+
+def take_back(counts: list[ConsumerCount]) -> int:
+    """Take back one consumer count per entry (never below zero); returns how many were
+    taken. Call ``torch.cuda.ipc_collect()`` afterwards to free what nobody holds now."""
+    taken = 0
+    for count in counts:
+        try:
+            fd = os.open(count.path(), os.O_RDWR | os.O_NOFOLLOW)
+        except (OSError, ValueError) as exc:  # the producer already freed its counters
+            logger.debug("consumer count %s not taken back: %s", count, exc)
+            continue
+        try:
+            where = _REFCOUNTED_HEADER + 8 * count.index
+            if os.fstat(fd).st_size < where + 8:
+                continue
+            with mmap.mmap(fd, where + 8) as view:
+                (value,) = struct.unpack_from("<q", view, where)
+                if value > 0:
+                    struct.pack_into("<q", view, where, value - 1)
+                    taken += 1
+        finally:
+            os.close(fd)
+    return taken

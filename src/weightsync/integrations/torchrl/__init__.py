@@ -1,12 +1,13 @@
 """TorchRL collectors on weightsync: switch with one import line.
 
 ``from weightsync.integrations.torchrl import SharedMemWeightSyncScheme`` (or
-``MultiProcessWeightSyncScheme``) in place of ``from torchrl.weight_update import ...``:
-same names and constructor arguments, subclasses of TorchRL's ``WeightSyncScheme`` (so a
-collector's ``weight_sync_schemes={"policy": scheme}`` accepts them), running on
-weightsync's own schemes. Workers take a new version only at the start of a batch, through
-the collector's ``pre_collect_hook``, so every batch is produced by one whole version and
-its ``policy_version`` entries name it. Needs the ``torchrl`` extra; see docs/torchrl.md.
+``MultiProcessWeightSyncScheme``, or ``RayWeightSyncScheme`` for ``RayCollector``) in place
+of ``from torchrl.weight_update import ...``: same names and constructor arguments,
+subclasses of TorchRL's ``WeightSyncScheme`` (so a collector's
+``weight_sync_schemes={"policy": scheme}`` accepts them), running on weightsync's own
+schemes. Workers take a new version only at the start of a batch, through the collector's
+``pre_collect_hook``, so every batch is produced by one whole version and its
+``policy_version`` entries name it. Needs the ``torchrl`` extra; see docs/torchrl.md.
 """
 
 try:
@@ -16,20 +17,24 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchrl
         "weightsync.integrations.torchrl needs TorchRL: pip install 'weightsync[torchrl]'"
     ) from exc
 
+from weightsync.integrations.torchrl.adapter import WeightsyncTorchRLScheme
 from weightsync.integrations.torchrl.collector_hooks import materialize_meta_module
+from weightsync.integrations.torchrl.ray_scheme import RAY_BACKEND, RayWeightSyncScheme
 from weightsync.integrations.torchrl.schemes import (
     PROCESS_BACKEND,
     SHARED_BACKEND,
     MultiProcessWeightSyncScheme,
     SharedMemWeightSyncScheme,
-    WeightsyncTorchRLScheme,
 )
 
 __all__ = [
     "PROCESS_BACKEND",
+    "RAY_BACKEND",
     "SHARED_BACKEND",
     "MultiProcessWeightSyncScheme",
+    "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "WeightsyncTorchRLScheme",
     "materialize_meta_module",
 ]
+

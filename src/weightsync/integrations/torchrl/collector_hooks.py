@@ -11,7 +11,19 @@ from typing import Any, Protocol
 
 import torch
 
+from weightsync.core.strategy import flat_tensors
+
 logger = logging.getLogger(__name__)
+
+# keys TorchRL's tensordict strategy adds that are not tensors of the module
+_NOT_WEIGHTS = ("__extra_state__",)
+
+
+def flat_weights(weights: Any, what: str) -> dict[str, torch.Tensor]:
+    """TorchRL's weights (a module, a TensorDict from ``from_module``, a state dict) as
+    weightsync's flat ``name -> tensor`` mapping."""
+    flat = flat_tensors(weights, what=what)
+    return {k: v for k, v in flat.items() if k.split(".", 1)[0] not in _NOT_WEIGHTS}
 
 
 class ClosableEnd(Protocol):
