@@ -58,23 +58,33 @@ class BenchActor(RayWeightReceiverMixin):
         return time.perf_counter() - t0
 
 
-def time_sends(cluster: Any, nbytes: int, workers: int, repeats: int) -> dict[str, list[float]]:
+def time_sends(cluster: Any, nbytes: int, workers: int, repeats: int,
+               relay: bool = True) -> dict[str, list[float]]:
     """Sends to ``workers`` actors on host B, with and without checksums in turn (the same
-    actors and buffers, so the pair differs only by the checksums)."""
-    scheme = RayWeightSyncScheme(num_workers=workers, timeout=300)
+    actors and buffers, so the pair differs only by the checksums), each round beside one
+    gloo point-to-point transfer to the first actor (``p2p``: the floor measured under the
+    same load as that round's sends). ``relay=False``: every actor takes the broadcast
+    (``node_local=False``), none copies from host B's relay."""
+    scheme = RayWeightSyncScheme(num_workers=workers, timeout=300, node_local=relay)
     actors = [BenchActor.options(**cluster.on("b")).remote(scheme, i, nbytes)
               for i in range(workers)]
     weights = make_weights(nbytes, fill=1.0)
     out: dict[str, list[float]] = {"send": [], "applied": [], "send_no_checksum": [],
-                                   "applied_no_checksum": []}
+                                   "applied_no_checksum": [], "p2p": []}
+    address = "10.213.0.1"
+    store = dist.TCPStore(address, 0, None, True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    payload = torch.ones(nbytes, dtype=torch.uint8)
     try:
         with scheme.create_sender(actors) as sender:
             sender.register_model(weights)
             sender.connect(timeout=300)
-            assert ray.get([a.path.remote() for a in actors]) == ["broadcast"] * workers
+            # one broadcast to host B: its first actor relays to the others
+            assert ray.get([a.path.remote() for a in actors]) == (
+                ["broadcast"] + ["relayed" if relay else "broadcast"] * (workers - 1))
             for i in range(repeats + 1):
                 for checksums in (True, False):
-                    scheme.checksums = checksums  # read by the sender at each send
+                    sender.writer.checksums = checksums  # read at each send
                     t0 = time.perf_counter()
                     sender.send(timeout=300)
                     t1 = time.perf_counter()
@@ -83,6 +93,14 @@ def time_sends(cluster: Any, nbytes: int, workers: int, repeats: int) -> dict[st
                         suffix = "" if checksums else "_no_checksum"
                         out["send" + suffix].append(t1 - t0)
                         out["applied" + suffix].append(time.perf_counter() - t0)
+                info = GroupInfo(address, int(store.port), 2, 2000 + i, "gloo", {0: 1}, 120.0)
+                ref = actors[0].p2p_recv.remote(info.__dict__)
+                group = WeightGroup(info, 0, store=store, host=address)
+                t0 = time.perf_counter()
+                group.pg.send([payload], 1, 0).wait()
+                ray.get(ref)
+                if i:
+                    out["p2p"].append(time.perf_counter() - t0)
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -129,6 +147,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--without-relay", action="store_true",
+                        help="also time 2+ actors each taking the broadcast (no relay)")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -143,7 +163,17 @@ def main() -> None:
             times = time_sends(cluster, nbytes, workers, args.repeats)
             key = f"{workers}_actor{'s' if workers > 1 else ''}"
             results[key] = {phase: med(t) for phase, t in times.items()}
+            # per round, against that round's floor: less exposed to load that drifts
+            results[key]["send_over_p2p_paired"] = med(
+                [s / p for s, p in zip(times["send"], times["p2p"], strict=True)])
+            results[key]["checksum_cost_paired"] = med(
+                [a / b - 1 for a, b in zip(times["send"], times["send_no_checksum"],
+                                           strict=True)])
             print(f"{key}: {results[key]}", flush=True)
+            if workers > 1 and args.without_relay:
+                times = time_sends(cluster, nbytes, workers, args.repeats, relay=False)
+                results[key + "_without_relay"] = {phase: med(t) for phase, t in times.items()}
+                print(f"{key}_without_relay: {results[key + '_without_relay']}", flush=True)
         results["p2p_after_s"] = med(time_p2p(cluster, nbytes, args.repeats))
     results["checksum_one_pass_s"] = med(time_checksum(nbytes, args.repeats))
     floor = min(results["p2p_s"], results["p2p_after_s"])
@@ -157,6 +187,12 @@ def main() -> None:
         ratios["2_actors_over_1_actor"] = results["2_actors"]["send"] / results["1_actor"]["send"]
         ratios["2_actors_over_1_actor_no_checksum"] = (
             results["2_actors"]["send_no_checksum"] / results["1_actor"]["send_no_checksum"])
+        ratios["2_actors_over_1_actor_paired"] = (  # each against its own rounds' floor
+            results["2_actors"]["send_over_p2p_paired"]
+            / results["1_actor"]["send_over_p2p_paired"])
+    if "1_actor" in results and "2_actors_without_relay" in results:
+        ratios["2_actors_without_relay_over_1_actor"] = (
+            results["2_actors_without_relay"]["send"] / results["1_actor"]["send"])
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

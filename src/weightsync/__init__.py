@@ -51,8 +51,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from weightsync.core.strategy import WeightStrategy
     from weightsync.integrations.ray import RayWeightReceiverMixin
     from weightsync.schemes.base import WeightSyncScheme
-    from weightsync.schemes.receiver import WeightReceiver
-    from weightsync.schemes.sender import WeightSender
     from weightsync.schemes.double_buffer import (
         VLLMDoubleBufferSyncScheme,
         VLLMDoubleBufferWeightReceiver,
@@ -60,6 +58,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     )
     from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
     from weightsync.schemes.ray import RayWeightReceiver, RayWeightSender, RayWeightSyncScheme
+    from weightsync.schemes.receiver import WeightReceiver
+    from weightsync.schemes.sender import WeightSender
     from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
     from weightsync.transports.base import TransportBackend
     from weightsync.transports.multiprocess import MPTransport

@@ -72,8 +72,9 @@ def test_hosts_take_their_paths_versions_snapshot_isolation(cluster, actors):
     with scheme.create_sender(group) as sender:
         sender.register_model(model)
         assert sender.connect(timeout=60) == 0
-        assert paths(group) == ["node-local", "broadcast", "broadcast"]
-        assert world_size(scheme) == 3  # the trainer and the two actors on host B
+        # host B's first actor takes the broadcast and relays it to the other one
+        assert paths(group) == ["node-local", "broadcast", "relayed"]
+        assert world_size(scheme) == 2  # the trainer and host B's relay: one broadcast
         assert states(group) == [(0, checksum(model))] * 3
         fill_all(model, 1.0)
         sender.send_async()
@@ -130,7 +131,8 @@ def test_actor_on_b_killed_before_and_during_a_send(cluster, actors):
         assert sender.send(timeout=20) == 3
         group[1] = replacement
         assert states(group) == [(3, checksum(model))] * 3
-        assert ray.get(replacement.weightsync_path.remote()) == "broadcast"
+        # the replacement (the lowest index on host B) is B's relay again
+        assert paths(group) == ["node-local", "broadcast", "relayed"]
 
         killer = threading.Timer(0.3, ray.kill, args=(group[2],))  # during a send
         killer.start()
@@ -181,6 +183,31 @@ def test_corrupted_bucket_across_hosts(actors):
         ray.get(group[1].corrupt_wire.remote(False))
         assert sender.send(timeout=20) == 2
         assert states(group) == [(2, checksum(model))] * 2
+
+
+def test_corrupted_bucket_at_a_relay_reaches_no_follower(actors):
+    """Host B's relay verifies what crossed the network before it writes the version for
+    the other actor of its node: a corrupted bucket is applied by neither."""
+    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=30)
+    group = actors(scheme, ["a", "b", "b"])
+    model = make_model()
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        before = checksum(model)
+        assert states(group) == [(0, before)] * 3
+        assert paths(group) == ["node-local", "broadcast", "relayed"]
+        ray.get(group[1].corrupt_wire.remote(True))
+        fill_all(model, 7.0)
+        assert sender.send(timeout=20) == 1
+        assert ray.get(group[1].poll_error.remote()) == "IntegrityError"
+        assert states(group) == [(1, checksum(model)), (0, before), (0, before)]
+        # the relay took version 1 (it finds the corruption at poll); its follower did not
+        assert sender.stats()["worker_lag"][2] == 1
+        ray.get(group[1].corrupt_wire.remote(False))
+        fill_all(model, 8.0)
+        assert sender.send(timeout=20) == 2
+        assert states(group) == [(2, checksum(model))] * 3
 
 
 def test_link_cut_during_a_send_then_restored(cluster, actors):

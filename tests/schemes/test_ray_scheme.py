@@ -442,3 +442,28 @@ def test_nccl_backend_without_cuda_says_what_to_do():
     with pytest.raises(ValueError, match="backend"):
         wire_device("mpi")
     assert wire_device("gloo") == torch.device("cpu")
+
+
+def test_streamed_pack_fills_each_chunk_as_pack_would(monkeypatch):
+    """The pack streamed into the broadcast, chunk by chunk (small chunks here, so tensors
+    straddle them), leaves the same bytes as one whole pack."""
+    from weightsync.core.layout import Layout
+    from weightsync.transports import ray_group
+    from weightsync.transports.ray_stream import can_stream, streamed_pack
+
+    monkeypatch.setattr(ray_group, "CHUNK_BYTES", 1000)
+    flat = {"a": torch.randn(37, 11), "b": torch.arange(999, dtype=torch.int64),
+            "c": torch.randn(5, 300).t(),  # not contiguous
+            "d": torch.tensor(3.5, dtype=torch.float64), "e": torch.zeros(0)}
+    layout = Layout.from_weights(flat)
+    assert can_stream(layout, flat)
+    expected = layout.allocate()
+    layout.pack(flat, expected)
+    got = layout.allocate()
+    fill = streamed_pack(layout, flat, got)
+    chunks = ray_group._chunks(ray_group.bucket_buffers(layout, got))
+    assert len(chunks) > 10
+    for index, chunk in reversed(list(enumerate(chunks))):  # any order: each is its own
+        fill(index, chunk)
+    assert all(torch.equal(got[d], expected[d]) for d in expected)
+    assert not can_stream(layout, flat | {"a": flat["a"].double()})

@@ -49,21 +49,23 @@ class RayWeightReceiverMixin:
         return self.weightsync_receiver.version
 
     def weightsync_path(self) -> str | None:
-        """``"node-local"`` or ``"broadcast"``: how versions reach this actor."""
+        """``"node-local"``, ``"relayed"`` or ``"broadcast"``: how versions reach this
+        actor."""
         return self.weightsync_receiver.path
 
     # called by the sender ------------------------------------------------------
-    def _weightsync_check(self, layout: dict[str, Any]) -> None:
-        self.weightsync_receiver.check_layout(layout)
+    def _weightsync_check(self, layout: dict[str, Any]) -> str:
+        return self.weightsync_receiver.check_layout(layout)
 
     def _weightsync_attach(self, node_local: dict[str, Any]) -> bool:
         return self.weightsync_receiver.attach_local(node_local)
 
-    def _weightsync_join(self, info: dict[str, Any], layout: dict[str, Any]) -> None:
-        self.weightsync_receiver.join(info, layout)
+    def _weightsync_join(self, info: dict[str, Any], layout: dict[str, Any],
+                         relay: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        return self.weightsync_receiver.join(info, layout, relay)
 
     def _weightsync_receive(
         self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None,
         delivery: dict[str, Any] | None = None,
-    ) -> int:
+    ) -> int | dict[str, Any]:
         return self.weightsync_receiver.take(version, keep, messages, delivery)

@@ -187,6 +187,20 @@ class RayTransport:
             return None
         return self.group.receive_sums(wire, timeout, RayTransport.wire_hook)
 
+    def receive_verified(self, buffers: dict[str, torch.Tensor], timeout: float | None,
+                         checked: bool) -> tuple[list[int] | None, bool]:
+        """Take one broadcast into ``buffers``, verifying each chunk (if ``checked``) while
+        the next one arrives; returns the sender's checksums and whether every chunk
+        matched them."""
+        if self.group is None or self.layout is None:
+            raise RuntimeError(f"worker {self.worker_idx} has not joined a group")
+        wire = bucket_buffers(self.layout, buffers)
+        if not checked:
+            self.group.broadcast(wire, timeout)
+            return None, True
+        sums, bad = self.group.receive_verified(wire, timeout, RayTransport.wire_hook)
+        return sums, not bad
+
     def receive_weights(
         self,
         timeout: float | None = None,

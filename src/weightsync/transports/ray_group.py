@@ -242,6 +242,8 @@ def bucket_buffers(layout: Layout, buffers: Mapping[str, torch.Tensor]) -> list[
 # Test hook: called with each received list of buffers before they are verified, to
 # corrupt them "on the wire". None in normal use.
 WireHook = Callable[[list[torch.Tensor]], None]
+#: ``fill(index, chunk)``: write chunk ``index`` of the buffers just before it is sent
+FillChunk = Callable[[int, torch.Tensor], None]
 
 
 class WeightGroup:
@@ -308,19 +310,35 @@ class WeightGroup:
             opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
         return self.pg.broadcast([tensor], opts)
 
-    def broadcast(self, buffers: list[torch.Tensor], timeout: float | None = None) -> None:
-        """Broadcast each buffer from rank 0, all in flight at once, then wait; each
-        operation gives up after ``timeout`` seconds (default: the group's)."""
-        works = [self._broadcast(buffer, timeout) for buffer in buffers]
+    def broadcast(self, buffers: list[torch.Tensor], timeout: float | None = None,
+                  fill: FillChunk | None = None) -> None:
+        """Broadcast ``buffers`` from rank 0 in chunks, all in flight at once, then wait;
+        each operation gives up after ``timeout`` seconds (default: the group's). Rank 0's
+        ``fill(index, chunk)`` writes each chunk just before it goes out (a pack streamed
+        into the broadcast)."""
+        works = []
+        for index, piece in enumerate(_chunks(buffers)):
+            if fill is not None:
+                fill(index, piece)
+            works.append(self._broadcast(piece, timeout))
         for work in works:
             work.wait()
 
-    def send_checked(self, buffers: list[torch.Tensor], timeout: float | None = None) -> list[int]:
+    def send_checked(self, buffers: list[torch.Tensor], timeout: float | None = None,
+                     fill: FillChunk | None = None) -> list[int]:
         """Rank 0: broadcast ``buffers`` in chunks and, last, the checksum of every chunk,
-        summed while the chunks are on the wire; returns the checksums."""
+        summed while the chunks are on the wire (as each is written, with ``fill``: see
+        :meth:`broadcast`); returns the checksums."""
         pieces = _chunks(buffers)
-        works = [self._broadcast(piece, timeout) for piece in pieces]
-        sums = wire_checksums(pieces)  # overlaps the transfer
+        if fill is None:
+            works = [self._broadcast(piece, timeout) for piece in pieces]
+            sums = wire_checksums(pieces)  # overlaps the transfer
+        else:
+            works, sums = [], []
+            for index, piece in enumerate(pieces):
+                fill(index, piece)
+                works.append(self._broadcast(piece, timeout))
+                sums.append(wire_checksum(piece))  # while the chunk is still in cache
         works.append(self._broadcast(_sums_tensor(sums, self.device), timeout))
         for work in works:
             work.wait()
@@ -344,6 +362,12 @@ class WeightGroup:
                         hook: WireHook | None = None) -> list[int]:
         """Other ranks: take :meth:`send_checked`'s chunks, summing each as the next one
         arrives, then its checksums; returns the indices of the chunks that differ."""
+        return self.receive_verified(buffers, timeout, hook)[1]
+
+    def receive_verified(self, buffers: list[torch.Tensor], timeout: float | None = None,
+                         hook: WireHook | None = None) -> tuple[list[int], list[int]]:
+        """:meth:`receive_checked`, also returning the sender's checksums:
+        ``(sums, indices of the chunks that differ)``."""
         pieces = _chunks(buffers)
         expected = torch.zeros(len(pieces), dtype=torch.int64, device=self.device)
         works = [self._broadcast(piece, timeout) for piece in pieces]
@@ -355,8 +379,9 @@ class WeightGroup:
                 hook([piece])
             sums.append(wire_checksum(piece))
         works[-1].wait()
-        return [i for i, (got, want) in enumerate(zip(sums, _sums_list(expected), strict=True))
-                if got != want]
+        wanted = _sums_list(expected)
+        return wanted, [i for i, (got, want) in enumerate(zip(sums, wanted, strict=True))
+                        if got != want]
 
     def close(self) -> None:
         self.pg = None

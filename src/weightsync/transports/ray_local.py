@@ -22,9 +22,9 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.transports.local_channel import Message
+from weightsync.transports.memfd import Segment
 from weightsync.transports.ray_group import current_node_id
 from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
-from weightsync.transports.shared_memory import Segment
 
 logger = logging.getLogger(__name__)
 
