@@ -39,6 +39,16 @@ def test_every_worker_reports_the_version_it_applied(transport):
 
 
 @pytest.mark.slow
+def test_workers_blocked_in_receive_report_each_version_but_no_apply_time():
+    """``--worker-step-ms 0``: workers block in ``receive()`` (woken by the notice), so the
+    time until every worker holds a version is measured, and no "apply in worker" row."""
+    times = bench_local("shm", 256_000, workers=2, repeats=3, floor=1e-4, step_s=0.0)
+    assert times.skipped is None
+    assert len(times.applied) == 3 and all(t > 0 for t in times.applied)
+    assert times.apply_in_worker == []
+
+
+@pytest.mark.slow
 def test_zero_copy_rows_or_a_note_saying_why_not():
     times = bench_local("shm", 256_000, workers=1, repeats=3, floor=1e-4, zero_copy=True)
     if supports_zero_copy(SharedMemWeightSyncScheme(num_workers=1)):

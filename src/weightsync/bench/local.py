@@ -1,9 +1,11 @@
 """SharedMem and MultiProcess, timed as a user feels them: until ``send()`` returns (the
 version is published) and until every worker's model holds it (applied in ``poll()``).
 
-Workers act like collectors: a short environment step, then ``poll()``. Each records in a
-shared array the version it applied, when (``CLOCK_MONOTONIC``, the same clock in every
-process) and how long the ``poll()`` that applied it took."""
+Workers act like collectors: a short environment step, then ``poll()``; with a step of 0
+they act like a user who wants each version at once and block in ``receive()`` (woken by
+the trainer's notice). Each records in a shared array the version it applied, when
+(``CLOCK_MONOTONIC``, the same clock in every process) and how long the ``poll()`` that
+applied it took (a blocking ``receive()`` mostly waits, so it has no such row)."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def _now() -> float:
 
 def _bench_worker(scheme: Any, idx: int, nbytes: int, zero_copy: bool, step_s: float,
                   device: str, stop: Any, ready: Any, applied: Any) -> None:
-    """A collector: step, then ``poll()``; record each version it applies."""
+    """A collector: step, then ``poll()`` (``step_s`` 0: block in ``receive()``); record
+    each version it applies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops us; Ctrl-C is its to handle
     from weightsync.core.errors import WeightSyncError
 
@@ -71,16 +74,17 @@ def _bench_worker(scheme: Any, idx: int, nbytes: int, zero_copy: bool, step_s: f
     ready.put((idx, None))
     base = _SLOT * idx
     while not stop.is_set():
-        time.sleep(step_s)
+        if step_s > 0:
+            time.sleep(step_s)
         t0 = _now()
         try:
-            version = receiver.poll()
+            version = receiver.poll() if step_s > 0 else receiver.receive(timeout=0.2)
         except WeightSyncError:  # the trainer closed: the run is over
             break
         if version is not None:
             t1 = _now()
             applied[base + _APPLIED_AT] = t1
-            applied[base + _POLL_SECONDS] = t1 - t0
+            applied[base + _POLL_SECONDS] = t1 - t0 if step_s > 0 else -1.0
             applied[base + _VERSION] = version  # last: the trainer reads it first
     receiver.close()
 
@@ -147,7 +151,8 @@ def bench_local(transport: str, nbytes: int, workers: int, repeats: int, floor: 
                     result.applied.append(
                         max(applied[_SLOT * w + _APPLIED_AT] for w in range(workers)) - t0)
                     result.apply_in_worker += [applied[_SLOT * w + _POLL_SECONDS]
-                                               for w in range(workers)]
+                                               for w in range(workers)
+                                               if applied[_SLOT * w + _POLL_SECONDS] >= 0]
             _stop_workers(stop, procs)  # they say goodbye before the sender closes
     finally:
         _stop_workers(stop, procs)
@@ -201,6 +206,9 @@ def run_bench(
     torch.set_num_threads(1)
     floor_name = "memcpy" if device == "cpu" else "device copy"
     rows: list[BenchRow] = []
+    if notes is not None:
+        notes.append("workers " + (f"step {step_s * 1e3:g} ms, then poll()" if step_s > 0 else
+                                   "block in receive(), woken by the trainer's notice"))
     for size, nbytes in sizes:
         for transport in transports:
             modes = shm_modes if transport == "shm" else ("copy",)
@@ -221,6 +229,8 @@ def run_bench(
                     for phase, values in (("publish", times.publish),
                                           ("applied everywhere", times.applied),
                                           ("apply in worker", times.apply_in_worker)):
+                        if not values:  # workers blocked in receive(): no apply time of its own
+                            continue
                         rows.append(make_row(f"{label} {phase}", size, nbytes, n, values, floor,
                                              floor_name))
             if transport == "mp":  # what the socket alone costs, beside the same memcpy

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,27 +169,51 @@ class Channel:
 
     # ------------------------------------------------------------------ sending
     def send(
-        self,
-        header: dict[str, Any],
-        payload: bytes | bytearray | memoryview | None = None,
-        fds: Sequence[int] = (),
+        self, header: dict[str, Any], payload: bytes | bytearray | memoryview | None = None,
+        fds: Sequence[int] = (), timeout: float | None = None,
+    ) -> None:
+        """Send one message; raises ChannelClosed or ChannelTimeout (a partly written message
+        cannot be taken back: the channel is then shut down)."""
+        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        self._send_frame(header, len(view), [view], list(fds), Deadline(timeout))
+
+    def send_stream(
+        self, header: dict[str, Any], nbytes: int, pieces: Iterable[memoryview],
         timeout: float | None = None,
     ) -> None:
-        """Send one message; raises ChannelClosed or ChannelTimeout (the channel is then
-        unusable: a partly written message cannot be taken back)."""
+        """Send one message whose ``nbytes`` of payload come from ``pieces`` as they are
+        produced, each written as soon as it is yielded. If ``pieces`` fails or falls short,
+        the frame is broken: the channel is shut down (the peer sees it end at once) and
+        the error raised."""
+        self._send_frame(header, nbytes, pieces, [], Deadline(timeout))
+
+    def _send_frame(self, header: dict[str, Any], nbytes: int, pieces: Iterable[memoryview],
+                    fds: list[int], deadline: Deadline) -> None:
         body = json.dumps(header, separators=(",", ":")).encode()
-        view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
-        first = _PREFIX.pack(len(body), len(view)) + body
-        deadline = Deadline(timeout)
+        first = _PREFIX.pack(len(body), nbytes) + body
         with self._send_lock:
             if self._closed:
                 raise ChannelClosed("channel is closed")
+            sent = 0
             try:
-                sent = self._send_first(first, list(fds), deadline)
+                sent = self._send_first(first, fds, deadline)
                 self._send_all(memoryview(first)[sent:], deadline)
-                self._send_all(view, deadline)
+                for piece in pieces:
+                    nbytes -= len(piece)
+                    if nbytes < 0:
+                        break
+                    self._send_all(piece, deadline)
+                if nbytes != 0:
+                    raise ChannelClosed(f"the payload missed its announced size by {nbytes} bytes")
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise ChannelClosed(f"peer closed the connection: {exc}") from exc
+            except BaseException:
+                # a frame begun and not finished can never be read: end the stream now, so
+                # the peer sees it at once (as in close(): never from a forked copy)
+                if sent and os.getpid() == self._owner_pid:
+                    with contextlib.suppress(OSError):
+                        self._sock.shutdown(socket.SHUT_RDWR)
+                raise
 
     def _send_first(self, data: bytes, fds: list[int], deadline: Deadline) -> int:
         while True:

@@ -1,9 +1,9 @@
 """MPTransport, with TorchRL's API: weights as raw bytes through a pipe or queue; acks carry versions.
 
 The sender packs the weights into a snapshot buffer (one copy, so later optimizer steps
-cannot leak into a send in flight) and streams it in chunks; the receiver reads into one of
-two staging buffers and applies it to its model only when asked, so a transfer cut off
-half-way never reaches the model.
+cannot leak into a send in flight) and streams each piece as soon as it is packed; the
+receiver reads straight into one of two staging buffers and applies it to its model only
+when asked, so a transfer cut off half-way never reaches the model.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue as queue_module
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from weightsync.core.staging import StagingBuffers
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.pack_pieces import PiecePlan
 
 
 def as_bytes(buffer: torch.Tensor) -> memoryview:
@@ -30,19 +31,69 @@ def as_bytes(buffer: torch.Tensor) -> memoryview:
     return memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
+class PackAbandoned(OSError):
+    """The pack of a snapshot failed after its first bytes were streamed: the frame cannot
+    be completed, so the stream that carried it breaks (the receiver stages nothing)."""
+
+
 class Snapshot:
-    """A sender-side packed copy of one version, with a lock held while it is read."""
+    """A sender-side packed copy of one version, streamable while it is being packed.
+
+    ``fill`` packs piece by piece and raises a watermark as it goes; ``pieces`` yields the
+    payload a piece at a time as the watermark passes it, so a streamer writes each piece
+    to its socket while the next one is packed (the pack and the transfer overlap)."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout.on_device("cpu")
         self.buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8)
         self.version = NO_VERSION
         self.lock = threading.Lock()
+        self._plan = PiecePlan(self.layout)
+        self._views = self._plan.buffer_views({"cpu": self.buffer}) if self._plan.in_pieces else None
+        self._progress = threading.Condition()
+        self.packed = 0  # bytes of ``version`` packed so far
+        self.failed = False
 
-    def fill(self, flat: Mapping[str, torch.Tensor], version: int) -> None:
+    def fill(self, flat: Mapping[str, torch.Tensor], version: int,
+             on_started: Callable[[], None] | None = None) -> None:
+        """Pack ``flat`` as ``version``; ``on_started`` runs once the snapshot names the new
+        version (its readers follow the pack from there)."""
         with self.lock:
-            self.layout.pack(flat, {"cpu": self.buffer})
-            self.version = version
+            with self._progress:
+                self.version, self.packed, self.failed = version, 0, False
+            try:
+                if on_started is not None:
+                    on_started()
+                self._plan.pack(flat, {"cpu": self.buffer}, self._advance, self._views)
+            except BaseException:
+                with self._progress:
+                    self.failed = True
+                    self._progress.notify_all()
+                raise
+
+    def _advance(self, watermark: int) -> None:
+        with self._progress:
+            self.packed = watermark
+            self._progress.notify_all()
+
+    @property
+    def complete(self) -> bool:
+        return self.packed == self.layout.nbytes and not self.failed
+
+    def pieces(self, deadline: Deadline) -> Iterator[memoryview]:
+        """The payload, each piece as soon as it is packed (every yielded byte is final)."""
+        data, sent, total = as_bytes(self.buffer), 0, self.layout.nbytes
+        while sent < total:
+            with self._progress:
+                while self.packed <= sent and not self.failed:
+                    if deadline.expired():
+                        raise ChannelTimeout(f"version {self.version} was not packed within {deadline}")
+                    self._progress.wait(deadline.slice(0.5))
+                if self.failed:
+                    raise PackAbandoned(f"the pack of version {self.version} failed mid-way")
+                mark = self.packed
+            yield data[sent:mark]
+            sent = mark
 
     def header(self) -> dict[str, Any]:
         return {"t": "mp.weights", "v": self.version, "fingerprint": self.layout.fingerprint}

@@ -2,8 +2,10 @@
 
 Each worker has its own streamer thread that writes the newest snapshot offered to it
 over its socket, so workers are served independently: a stopped or slow worker delays
-nobody else, and no lock is held across a transfer. A snapshot is never rewritten while a
-streamer reads it; the pool grows (up to a cap) instead of waiting for a slow reader.
+nobody else, and no lock is held across a transfer. A version is offered as soon as its
+pack begins, and a streamer writes each piece the moment it is packed, so the pack and
+the transfers overlap. A snapshot is never rewritten while a streamer reads it; the pool
+grows (up to a cap) instead of waiting for a slow reader.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ class SnapshotPool:
         self._cond = threading.Condition()
         self.latest: Snapshot | None = None
 
-    def fill(self, flat: Mapping[str, torch.Tensor], version: int, deadline: Deadline) -> Snapshot:
-        """Pack ``flat`` as ``version`` into a snapshot no streamer reads; it becomes the
-        newest. Grows the pool before waiting for a reader to finish."""
+    def fill(self, flat: Mapping[str, torch.Tensor], version: int, deadline: Deadline,
+             on_started: Callable[[], None] | None = None) -> Snapshot:
+        """Pack ``flat`` as ``version`` into a snapshot no streamer reads. It becomes the
+        newest before the pack begins, and ``on_started`` runs then (offer the version to
+        the streamers there: each writes every piece as soon as it is packed); if the pack
+        fails, the previous snapshot is the newest again. Grows the pool before waiting
+        for a reader to finish."""
         with self._cond:
             while True:
                 free = [s for s in self._snapshots
@@ -54,14 +60,23 @@ class SnapshotPool:
                         "copy is still being streamed to a slow worker"
                     )
                 self._cond.wait(deadline.slice(0.05))
-            self._readers[id(spare)] = 1  # nobody may take it while it is being filled
-        try:
-            spare.fill(flat, version)
-        finally:
+            previous = self.latest
+
+        def started() -> None:
             with self._cond:
-                self._readers[id(spare)] = 0
                 self.latest = spare
                 self._cond.notify_all()
+            if on_started is not None:
+                on_started()
+
+        try:
+            spare.fill(flat, version, started)
+        except BaseException:
+            with self._cond:
+                if self.latest is spare:
+                    self.latest = previous
+                self._cond.notify_all()
+            raise
         return spare
 
     def acquire_latest(self) -> Snapshot | None:
@@ -135,8 +150,16 @@ class Streamer:
                 if self._stop:
                     return
                 deadline = self._deadline or Deadline(self._timeout)
+                wanted = self._wanted_version
             snapshot = self._pool.acquire_latest()
-            if snapshot is None:
+            if snapshot is None or snapshot.failed or snapshot.version <= self._sent_version:
+                # the offered version's pack failed (the pool rolled back to one this worker
+                # has): drop the offer, unless a newer one came meanwhile
+                if snapshot is not None:
+                    self._pool.release(snapshot)
+                with self._cond:
+                    if self._wanted_version == wanted:
+                        self._wanted_version = self._sent_version
                 continue
             try:
                 self._stream(snapshot, deadline)
@@ -157,6 +180,10 @@ class Streamer:
         # a deadline that passed while we were busy with an older version still leaves
         # this transfer a short grace, so a healthy worker is never dropped for it
         timeout = max(deadline.remaining() or 0.0, 1.0) if deadline.timeout is not None else None
-        self.channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=timeout)
+        if snapshot.complete:
+            self.channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=timeout)
+        else:  # still being packed: write each piece as soon as it is packed
+            self.channel.send_stream(snapshot.header(), snapshot.layout.nbytes,
+                                     snapshot.pieces(Deadline(timeout)), timeout=timeout)
         with self._cond:
             self._sent_version = max(self._sent_version, snapshot.version)

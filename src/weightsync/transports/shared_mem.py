@@ -1,12 +1,14 @@
 """SharedMemTransport: weights in shared memory, copied in and out tear-free.
 
 The sender keeps a small pool of slots, each a full packed copy of the weights in a
-shared segment (a CUDA buffer shared by CUDA IPC for GPU tensors). A send packs the
-weights into a slot no worker uses, then points the chosen workers at it through a shared
-control block. A worker applies a version by copying its slot into its own model under a
-shared ``fcntl`` lock on that slot, which the sender's exclusive lock respects and which the
-kernel drops if the worker dies. Segments and slot handles travel lazily over the workers'
-pipes on the first send, so workers may start before any weights exist.
+shared segment (a CUDA buffer shared by CUDA IPC for GPU tensors). A send takes a slot no
+worker uses, points the chosen workers at it through a shared control block and packs the
+weights there piece by piece (``shm_slots``). A worker applies a version at its own call by
+copying its slot into its model, following the pack if it is still running, or by viewing
+a completely packed slot (zero-copy), under a shared ``fcntl`` lock on that slot, which the
+sender's exclusive lock respects and which the kernel drops if the worker dies
+(``shm_apply``). Segments and slot handles travel lazily over the workers' pipes on the
+first send, so workers may start before any weights exist.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -26,21 +27,21 @@ from weightsync.core.errors import SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local_channel import Channel, ChannelClosed, Message
+from weightsync.transports import shm_standalone as standalone
+from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.shm_apply import adopt_newest, copy_newest
 from weightsync.transports.shm_slots import (
     _APPLIED_BASE,
     _HEADER_WORDS,
     _IDX_CLOSED,
     _IDX_LATEST,
     _MAX_WORKERS,
+    _PACKED_BASE,
     _WAITING_BASE,
     DEFAULT_MODEL_ID,
-    _lock,
-    _pack_target,
     _ReceiverModel,
     _SenderModel,
     _Slot,
-    _unlock,
     _unpack_target,
 )
 
@@ -71,12 +72,12 @@ class SharedMemTransport:
         self._lock = threading.RLock()
         self._channels: dict[int, Channel] = {}
         self._models: dict[str, _SenderModel] = {}
-        self._pending: dict[str, Any] = {}  # registered before any pipe: announced later
         # receiver side
         self._worker_idx: int | None = None
         self._receiver_models: dict[str, _ReceiverModel] = {}
         self._receiver_versions: dict[str, int] = {}
         self._sender_gone = False
+        self._adopts = False  # this receiver adopts views (zero-copy): see published_version
         self._slot_arrived = threading.Condition(self._lock)
         self._owner_pid = os.getpid()
         for model_id, weights in (policy_weights or {}).items():
@@ -167,13 +168,8 @@ class SharedMemTransport:
         return None if model is None else model.layout
 
     def send_weights(
-        self,
-        model_id: str,
-        weights: Any,
-        *,
-        worker_ids: Iterable[int] | None = None,
-        version: int | None = None,
-        timeout: float | None = 10.0,
+        self, model_id: str, weights: Any, *, worker_ids: Iterable[int] | None = None,
+        version: int | None = None, timeout: float | None = 10.0,
     ) -> int:
         """Publish ``weights`` as the next version of ``model_id`` to ``worker_ids`` (all
         attached workers by default) and return that version. The weights are copied now:
@@ -198,58 +194,36 @@ class SharedMemTransport:
     ) -> None:
         """Write already-checked flat weights as ``version`` for ``worker_ids`` (None: every
         attached worker), creating the model's slots on first use. The schemes call this
-        after their own validation, so a send checks its input once."""
+        after their own validation, so a send checks its input once. The version is
+        published in a free slot, then packed there piece by piece (``shm_slots``)."""
+        deadline = Deadline(timeout)
         with self._lock:
             model = self._models.get(model_id) or self._create_model(model_id, flat)
             ids = list(self._channels) if worker_ids is None else list(worker_ids)
-            self._write(model_id, model, flat, ids, version, timeout)
+            slot = model.acquire_free_slot(list(self._channels), deadline, model_id,
+                                           lambda new: self._announce_slot(model_id, model, new, deadline))
+            model.write(flat, slot, ids, version, lambda: self._wake_waiting(model, ids, version))
 
-    def _write(
-        self, model_id: str, model: _SenderModel, flat: Mapping[str, torch.Tensor],
-        worker_ids: list[int], version: int, timeout: float | None,
-    ) -> None:
-        slot = self._acquire_free_slot(model_id, model, Deadline(timeout))
-        try:
-            model.layout.pack(flat, slot.buffers)
-            for device in slot.buffers:
-                if device != "cpu":
-                    torch.cuda.synchronize(device)
-        finally:
-            _unlock(model.control.fd, slot.index)
-        packed = _pack_target(version, slot.index)
-        model.ctrl[_IDX_LATEST] = packed
+    def _wake_waiting(self, model: _SenderModel, worker_ids: list[int], version: int) -> None:
+        """Send a notice to each target blocked in ``receive()`` (for a large model before the
+        pack, so the worker copies along with it) and lower its flag so it gets just one."""
         for w in worker_ids:
-            model.set_target(w, packed)
-        model.version = version
+            channel = self._channels.get(w)
+            if channel is None or not model.waiting(w):
+                continue
+            model.ctrl[_WAITING_BASE + w] = 0
+            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                channel.send_nowait({"t": "version", "v": version})
 
-    def _acquire_free_slot(self, model_id: str, model: _SenderModel, deadline: Deadline) -> _Slot:
-        """A slot that is neither the newest nor any worker's target nor being read,
-        exclusively locked; grows the pool (up to ``max_slots``) before waiting."""
-        while True:
-            busy = {_unpack_target(model.ctrl[_IDX_LATEST])[1]} if model.ctrl[_IDX_LATEST] >= 0 else set()
-            for w in self._channels:
-                if model.target(w) >= 0:
-                    busy.add(_unpack_target(model.target(w))[1])
-            for slot in model.slots:
-                if slot.index not in busy and _lock(model.control.fd, slot.index, exclusive=True):
-                    return slot
-            if len(model.slots) < model.max_slots:
-                slot = model.new_slot()
-                header, fds = model.slot_message(slot, model_id)
-                for w, channel in list(self._channels.items()):
-                    try:
-                        channel.send(header, fds=fds, timeout=deadline.slice(10.0))
-                    except (ChannelClosed, TimeoutError):
-                        logger.warning("worker %d did not take a new slot; detaching it", w)
-                        self.detach_worker(w)
-                if _lock(model.control.fd, slot.index, exclusive=True):
-                    return slot
-            if deadline.expired():
-                raise WeightSyncTimeoutError(
-                    f"no free shared-memory slot for model {model_id!r} within "
-                    f"{deadline}: workers are still reading every slot"
-                )
-            time.sleep(0.0002)
+    def _announce_slot(self, model_id: str, model: _SenderModel, slot: _Slot,
+                       deadline: Deadline) -> None:
+        header, fds = model.slot_message(slot, model_id)
+        for w, channel in list(self._channels.items()):
+            try:
+                channel.send(header, fds=fds, timeout=deadline.slice(10.0))
+            except (ChannelClosed, TimeoutError):
+                logger.warning("worker %d did not take a new slot; detaching it", w)
+                self.detach_worker(w)
 
     def point_at_latest(self, worker_ids: Iterable[int], model_id: str = DEFAULT_MODEL_ID) -> None:
         """Point these workers at the newest version (a worker brought in between sends)."""
@@ -317,12 +291,19 @@ class SharedMemTransport:
             return self._receiver_models[model_id].layout
 
     def published_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
-        """The newest version the sender has pointed this worker at (-1: none yet)."""
+        """The newest version this worker can take now (-1: none yet): the one the sender
+        points it at, which a copying worker may take while it is still being packed; a
+        worker that adopts views (zero-copy) gets the one it holds until that is whole."""
         model = self._receiver_models.get(model_id)
         if model is None:
             return NO_VERSION
         packed = model.ctrl[_HEADER_WORDS + worker_idx]
-        return NO_VERSION if packed < 0 else _unpack_target(packed)[0]
+        if packed < 0:
+            return NO_VERSION
+        version, index = _unpack_target(packed)
+        if self._adopts and model.ctrl[_PACKED_BASE + index] != model.plan.total:
+            return model.ctrl[_APPLIED_BASE + worker_idx]
+        return version
 
     def sender_closed(self, model_id: str = DEFAULT_MODEL_ID) -> bool:
         model = self._receiver_models.get(model_id)
@@ -334,21 +315,21 @@ class SharedMemTransport:
     ) -> int | None:
         """Copy the newest version published for ``worker_idx`` into ``dest`` if it is newer
         than ``held_version``; returns it, or None if there is nothing newer (or its slot's
-        handle has not arrived by ``deadline``: ``Deadline(0)`` never blocks)."""
-        return self._receiver_models[model_id].copy_newest(
-            worker_idx, dest, held_version, deadline, lambda d: self._wait_for_slot(d, pump)
-        )
+        handle has not arrived by ``deadline``). A version still being packed is copied as
+        the sender packs it (see ``shm_apply``): the call lasts about one copy either way."""
+        return copy_newest(self._receiver_models[model_id], worker_idx, dest, held_version,
+                           deadline, lambda d: self._wait_for_slot(d, pump))
 
     def adopt_latest(
         self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
         deadline: Deadline, model_id: str = DEFAULT_MODEL_ID,
     ) -> int | None:
         """Zero-copy apply: point every tensor of ``dest`` (``.data``) at read-only views
-        into the newest slot published for ``worker_idx``, if newer than ``held_version``
-        (see ``_ReceiverModel.adopt_newest``)."""
-        return self._receiver_models[model_id].adopt_newest(
-            worker_idx, dest, held_version, deadline, lambda d: self._wait_for_slot(d, None)
-        )
+        into the newest slot published for ``worker_idx``, if newer than ``held_version`` and
+        completely packed by ``deadline`` (see ``shm_apply.adopt_newest``)."""
+        self._adopts = True  # from now on, a version still being packed is not "published"
+        return adopt_newest(self._receiver_models[model_id], worker_idx, dest, held_version,
+                            deadline, lambda d: self._wait_for_slot(d, None))
 
     def _wait_for_slot(self, deadline: Deadline, pump: Any) -> None:
         """Wait a little for a segment message still on its way (read by ``pump`` when no
@@ -364,70 +345,31 @@ class SharedMemTransport:
                 self._slot_arrived.wait(deadline.slice(0.05))
 
     def setup_connection_and_weights_on_receiver(
-        self,
-        *,
-        worker_idx: int,
-        weights: Any = None,
-        model: Any = None,
-        strategy: WeightStrategy | None = None,
-        timeout: float | None = 60.0,
+        self, *, worker_idx: int, weights: Any = None, model: Any = None,
+        strategy: WeightStrategy | None = None, timeout: float | None = 60.0,
         model_id: str = DEFAULT_MODEL_ID,
     ) -> Any:
         """Wait for the sender's segments and first version, apply it to ``model`` (or
         ``weights``), and return the weights as ``strategy`` extracts them."""
         self._worker_idx = worker_idx
-        deadline = Deadline(timeout)
-        self.wait_for_model(model_id, deadline, pump=self._pump)
-        while self.published_version(worker_idx, model_id) < 0:
-            if deadline.expired():
-                raise WeightSyncTimeoutError(f"worker {worker_idx}: no version within {Deadline(timeout)}")
-            self._pump(deadline.slice(0.01))
-        return self.receive_weights(
-            deadline.remaining(), weights=weights, model=model, strategy=strategy,
-            model_id=model_id,
-        )
+        return standalone.first_weights(self, worker_idx, weights if model is None else model,
+                                        strategy, Deadline(timeout), model_id)
 
     def receive_weights(
-        self,
-        timeout: float | None = 1.0,
-        *,
-        weights: Any = None,
-        model: Any = None,
-        strategy: WeightStrategy | None = None,
-        model_id: str = DEFAULT_MODEL_ID,
+        self, timeout: float | None = 1.0, *, weights: Any = None, model: Any = None,
+        strategy: WeightStrategy | None = None, model_id: str = DEFAULT_MODEL_ID,
     ) -> Any | None:
         """Apply the newest version to ``model`` (or ``weights``) if there is a newer one and
         return the applied weights; otherwise return None at once (TorchRL's receive is a
         no-op that never blocks). ``timeout`` bounds the wait for a slot still in transit."""
-        target = model if model is not None else weights
-        if target is None:
-            raise ValueError("receive_weights needs a model or a weights buffer to write into")
         if self._worker_idx is None:
             raise RuntimeError("call setup_connection_and_weights_on_receiver first")
-        self._pump(0.0)
-        dest = flat_tensors(target, what="receive_weights destination")
-        held = self._receiver_versions.get(model_id, NO_VERSION)
-        applied = self.apply_latest(
-            self._worker_idx, dest, held, Deadline(timeout), model_id, pump=self._pump
-        )
-        if applied is None:
-            return None
-        self._receiver_versions[model_id] = applied
-        return (strategy or WeightStrategy()).extract_weights(target)
+        return standalone.newest_weights(self, self._worker_idx, weights if model is None else model,
+                                         strategy, Deadline(timeout), model_id)
 
     def _pump(self, timeout: float) -> None:
         """Read pending segment messages from the sender (standalone receiver use)."""
-        channel = self._channels.get(0) if self._channels else None
-        if channel is None:
-            return
-        while channel.readable(timeout):
-            try:
-                message = channel.recv(timeout=5.0)
-            except ChannelClosed:
-                self.mark_sender_lost()
-                return
-            self.handle_message(message)
-            timeout = 0.0
+        standalone.pump(self, self._channels.get(0), timeout)
 
     # ================================================================== both
     def close(self) -> None:

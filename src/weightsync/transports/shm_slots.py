@@ -1,16 +1,25 @@
 """The shared-memory layout behind SharedMem: a control block and a pool of slots.
 
 The control block is one small shared segment of int64 words: a magic, the newest
-version's target, a closed flag, and per worker its target (version and slot), a flag
-"blocked in receive()" and the version it last applied. Each slot is one full packed copy
-of the weights (a memfd segment on the CPU, a CUDA buffer shared by IPC on a GPU). A
-byte-range ``fcntl`` lock per slot, in the control segment's lock space, keeps the sender
-(exclusive) off a slot any worker reads (shared); the kernel drops a dead reader's lock.
+version's target, a closed flag, the previous newest target (a whole version kept intact
+while the next one is packed), per worker its target (version and slot), a flag "blocked
+in receive()" and the version it last applied, and per slot how many of its bytes are
+packed. Each slot is one full packed copy of the weights (a memfd segment on the CPU, a
+CUDA buffer shared by IPC on a GPU). A byte-range ``fcntl`` lock per slot, in the control
+segment's lock space, keeps the sender (exclusive) off a slot any worker reads (shared);
+the kernel drops a dead reader's lock.
+
+A version is published before it is packed: the sender takes a free slot (exclusive lock:
+nobody reads it), points the workers at it with its "bytes packed" word at 0, lets the lock
+go and packs piece by piece, raising the word as it goes, so a copying worker follows a
+few megabytes behind. A slot counts as a whole version only once the word reaches the
+slot's size; a pack that fails puts every target back on the previous whole version.
 """
 
 from __future__ import annotations
 
 import fcntl
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,21 +27,25 @@ from typing import Any
 import torch
 
 from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.cuda_ipc import open_cuda_buffer, share_cuda_buffer
 from weightsync.transports.local_channel import Message
-from weightsync.transports.shared_memory import Segment
+from weightsync.transports.memfd import Segment
+from weightsync.transports.pack_pieces import PiecePlan
 
 _MAGIC = 0x5753594E43  # "WSYNC"
 _SLOT_SPACE = 1024  # a target packs (version, slot) as version * _SLOT_SPACE + slot
 _MAX_WORKERS = 1024
 _HEADER_WORDS = 8
-_IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED = 0, 1, 2
+_IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED, _IDX_PREVIOUS = 0, 1, 2, 3
 _LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
 _WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
 _APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
-_CONTROL_NBYTES = (_HEADER_WORDS + 3 * _MAX_WORKERS) * 8
+_PACKED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS  # per-slot: bytes packed of its version
+_PACK_FAILED = -1  # a slot's "bytes packed" word after its pack failed
+_CONTROL_NBYTES = (_HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE) * 8
 DEFAULT_MODEL_ID = "policy"
 
 
@@ -83,6 +96,9 @@ class _SenderModel:
         self.ctrl = self.control.view_int64()
         self.ctrl[_IDX_MAGIC] = _MAGIC
         self.ctrl[_IDX_LATEST] = -1
+        self.ctrl[_IDX_PREVIOUS] = -1
+        self.plan = PiecePlan(layout)
+        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
         for w in range(_MAX_WORKERS):
             self.ctrl[_HEADER_WORDS + w] = -1
             self.ctrl[_APPLIED_BASE + w] = NO_VERSION
@@ -119,6 +135,78 @@ class _SenderModel:
     def applied(self, worker_idx: int) -> int:
         return self.ctrl[_APPLIED_BASE + worker_idx]
 
+    def write(
+        self, flat: Mapping[str, torch.Tensor], slot: _Slot, worker_ids: list[int],
+        version: int, on_published: Callable[[], None],
+    ) -> None:
+        """Publish ``version`` in ``slot`` (held with the exclusive lock, which is let go
+        here) and pack ``flat`` into it piece by piece. ``on_published`` (wake the workers
+        blocked in ``receive()``) runs before the pack when readers can follow it piece by
+        piece, else right after it (their wake-up would only compete with a short pack). If
+        the pack fails, every target goes back to what it was (whole versions) and the error
+        is raised: workers that followed part of it restore a whole version themselves."""
+        ctrl, packed_word = self.ctrl, _PACKED_BASE + slot.index
+        packed = _pack_target(version, slot.index)
+        before = {w: self.target(w) for w in worker_ids}
+        latest_before = ctrl[_IDX_LATEST]
+        try:
+            ctrl[packed_word] = 0
+            ctrl[_IDX_PREVIOUS] = latest_before
+            ctrl[_IDX_LATEST] = packed
+            for w in worker_ids:
+                self.set_target(w, packed)
+        finally:
+            _unlock(self.control.fd, slot.index)  # readers follow the watermark from here
+        try:
+            if self.plan.in_pieces:
+                on_published()
+            views = self.views.get(slot.index) if self.plan.in_pieces else None
+            if views is None and self.plan.in_pieces:
+                views = self.views[slot.index] = self.plan.buffer_views(slot.buffers)
+            self.plan.pack(flat, slot.buffers, lambda watermark: None if watermark >= self.plan.total
+                           else ctrl.__setitem__(packed_word, watermark), views)
+            for device in slot.buffers:
+                if device != "cpu":
+                    torch.cuda.synchronize(device)
+            ctrl[packed_word] = self.plan.total
+        except BaseException:
+            # targets first: a follower that sees the failure then finds a whole version
+            if ctrl[_IDX_LATEST] == packed:
+                ctrl[_IDX_LATEST] = latest_before
+            for w, target in before.items():
+                if self.target(w) == packed:
+                    self.set_target(w, target)
+            ctrl[packed_word] = _PACK_FAILED
+            raise
+        self.version = version
+        if not self.plan.in_pieces:
+            on_published()
+
+    def acquire_free_slot(self, worker_ids: list[int], deadline: Deadline, model_id: str,
+                          announce: Callable[[_Slot], None]) -> _Slot:
+        """A slot that is neither the newest nor any worker's target nor being read,
+        exclusively locked; grows the pool (up to ``max_slots``, ``announce`` passing each
+        new slot to the workers) before waiting for a reader to let one go."""
+        while True:
+            busy = {_unpack_target(self.ctrl[_IDX_LATEST])[1]} if self.ctrl[_IDX_LATEST] >= 0 else set()
+            for w in worker_ids:
+                if self.target(w) >= 0:
+                    busy.add(_unpack_target(self.target(w))[1])
+            for slot in self.slots:
+                if slot.index not in busy and _lock(self.control.fd, slot.index, exclusive=True):
+                    return slot
+            if len(self.slots) < self.max_slots:
+                slot = self.new_slot()
+                announce(slot)
+                if _lock(self.control.fd, slot.index, exclusive=True):
+                    return slot
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"no free shared-memory slot for model {model_id!r} within "
+                    f"{deadline}: workers are still reading every slot"
+                )
+            time.sleep(0.0002)
+
     def close(self) -> None:
         self.ctrl[_IDX_CLOSED] = 1
         self.ctrl.release()
@@ -135,8 +223,16 @@ class _ReceiverModel:
         self.control = Segment.attach(control_fd, _CONTROL_NBYTES, writable=True)
         self.ctrl = self.control.view_int64()
         self.slots: dict[int, _Slot] = {}
-        self.dest_cache: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.plan = PiecePlan(layout)
+        self._views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
         self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
+
+    def views_of(self, slot: _Slot) -> list[torch.Tensor]:
+        """The typed views of each piece of ``slot`` (made once per slot)."""
+        views = self._views.get(slot.index)
+        if views is None:
+            views = self._views[slot.index] = self.plan.buffer_views(slot.buffers)
+        return views
 
     def add_slot(self, message: Message) -> None:
         header = message.header
@@ -151,81 +247,10 @@ class _ReceiverModel:
             else:
                 slot.buffers[device] = open_cuda_buffer(handle)
         self.slots[slot.index] = slot
-
-    def _newest(self, worker_idx: int, held_version: int, deadline: Deadline,
-                wait_for_slot: Callable[[Deadline], None]) -> tuple[int, int, _Slot] | None:
-        """(packed target, version, slot) of the newest version for ``worker_idx`` if newer
-        than ``held_version`` and its slot's handle is here; else None."""
-        while True:
-            packed = self.ctrl[_HEADER_WORDS + worker_idx]
-            if packed < 0:
-                return None
-            version, index = _unpack_target(packed)
-            if version == held_version:
-                return None
-            slot = self.slots.get(index)
-            if slot is not None:
-                return packed, version, slot
-            wait_for_slot(deadline)  # its handle is still on the way
-            if deadline.expired():
-                return None  # a later call applies it
-
-    def copy_newest(
-        self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
-        deadline: Deadline, wait_for_slot: Callable[[Deadline], None],
-    ) -> int | None:
-        """Copy the newest version into ``dest`` under the slot's shared lock."""
-        while True:
-            found = self._newest(worker_idx, held_version, deadline, wait_for_slot)
-            if found is None:
-                return None
-            packed, version, slot = found
-            if not _lock(self.control.fd, slot.index, exclusive=False):
-                continue  # the sender is rewriting that slot: our target has moved on
-            try:
-                if self.ctrl[_HEADER_WORDS + worker_idx] != packed:
-                    continue
-                self.layout.unpack(slot.buffers, dest)
-                for device in slot.buffers:
-                    if device != "cpu":
-                        torch.cuda.synchronize(device)
-            finally:
-                _unlock(self.control.fd, slot.index)
-            self.ctrl[_APPLIED_BASE + worker_idx] = version
-            return version
-
-    def adopt_newest(
-        self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
-        deadline: Deadline, wait_for_slot: Callable[[Deadline], None],
-    ) -> int | None:
-        """Point ``dest``'s tensors at views into the newest slot (zero-copy).
-
-        The worker then holds that slot's shared lock until its next adopt (or close), so
-        the sender never rewrites memory the model reads; the slot it held before is let
-        go. On the CPU the views live in a read-only mapping: a stray write into the
-        model's weights is a crash (SIGSEGV), never a change seen by other workers."""
-        while True:
-            found = self._newest(worker_idx, held_version, deadline, wait_for_slot)
-            if found is None:
-                return None
-            packed, version, slot = found
-            index = slot.index
-            if index != self.held_slot and not _lock(self.control.fd, index, exclusive=False):
-                continue
-            if self.ctrl[_HEADER_WORDS + worker_idx] != packed:
-                if index != self.held_slot:
-                    _unlock(self.control.fd, index)
-                continue
-            views = self.layout.tensor_views(slot.buffers)
-            for name, tensor in dest.items():
-                tensor.data = views[name]
-            if self.held_slot is not None and self.held_slot != index:
-                _unlock(self.control.fd, self.held_slot)
-            self.held_slot = index
-            self.ctrl[_APPLIED_BASE + worker_idx] = version
-            return version
+        self._views.pop(slot.index, None)
 
     def close(self) -> None:
+        self._views.clear()
         self.ctrl.release()
         for slot in self.slots.values():
             slot.close()

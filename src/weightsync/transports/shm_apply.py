@@ -1,0 +1,207 @@
+"""A worker taking the newest version out of the shared slots, at its own call.
+
+Copy mode copies the slot into the model. When the slot is still being packed, the copy
+follows the sender piece by piece, a few megabytes behind (see ``shm_slots``), so the
+worker holds the version moments after the pack ends instead of one more full copy later
+(a slot packed in one go, small or on a GPU, is waited for only within the call's
+deadline: ``poll()`` then keeps the old version and the next call takes the new one).
+The wait is bounded by the pack itself, which lasts about as long as the copy a copy-mode
+``poll()`` makes anyway; a pack that makes no progress for ``STALL_S`` (the trainer
+stopped or died) is given up. A model that took part of a version whose pack failed or
+stalled is given a whole version back (the sender's restored target, or the previous
+newest slot, kept intact during the pack) before the call returns: a model never holds
+a torn version.
+
+Zero-copy mode points the model's tensors at read-only views of a slot, and only of a slot
+that is completely packed; ``poll()`` keeps the old version while the newest is packed,
+``receive()`` waits for it. Every read happens under the slot's shared lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncError
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.shm_slots import (
+    _APPLIED_BASE,
+    _HEADER_WORDS,
+    _IDX_PREVIOUS,
+    _PACK_FAILED,
+    _PACKED_BASE,
+    _lock,
+    _ReceiverModel,
+    _Slot,
+    _unlock,
+    _unpack_target,
+)
+
+#: a pack that makes no progress for this long is given up (the trainer stopped or died)
+STALL_S = 0.25
+#: how long a follower sleeps when it has caught up with the sender's pack
+_NAP_S = 0.0002
+
+
+WaitForSlot = Callable[[Deadline], None]
+
+
+def newest_target(model: _ReceiverModel, worker_idx: int, held_version: int,
+                  deadline: Deadline, wait_for_slot: WaitForSlot) -> tuple[int, int, _Slot] | None:
+    """(packed target, version, slot) of the newest version for ``worker_idx`` if newer
+    than ``held_version`` and its slot's handle is here; else None."""
+    while True:
+        packed = model.ctrl[_HEADER_WORDS + worker_idx]
+        if packed < 0:
+            return None
+        version, index = _unpack_target(packed)
+        if version == held_version:
+            return None
+        slot = model.slots.get(index)
+        if slot is not None:
+            return packed, version, slot
+        wait_for_slot(deadline)  # its handle is still on the way
+        if deadline.expired():
+            return None  # a later call applies it
+
+
+def _sync(slot: _Slot) -> None:
+    for device in slot.buffers:
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+
+
+def _follow(model: _ReceiverModel, worker_idx: int, packed: int, slot: _Slot,
+            dest: Mapping[str, torch.Tensor], deadline: Deadline) -> tuple[bool, bool]:
+    """Copy the slot into ``dest``, following its pack if it is still running; under the
+    slot's shared lock. A slot that cannot be copied piece by piece (small, on a GPU) is
+    waited for only until ``deadline``. Returns (whole version copied, ``dest`` partly
+    overwritten)."""
+    plan, ctrl = model.plan, model.ctrl
+    word = _PACKED_BASE + slot.index
+    if ctrl[word] == plan.total:
+        model.layout.unpack(slot.buffers, dest)
+        _sync(slot)
+        return True, False
+    sources = model.views_of(slot) if plan.reader_ok(dest) else None
+    targets = plan.dest_views(dest) if sources is not None else []
+    index, last_mark, last_move = 0, -2, time.monotonic()
+    while True:
+        mark = ctrl[word]
+        if mark == plan.total:
+            if sources is None:
+                model.layout.unpack(slot.buffers, dest)
+            else:
+                plan.copy_out(sources, targets, index, mark)
+            _sync(slot)
+            return True, False
+        if mark == _PACK_FAILED or ctrl[_HEADER_WORDS + worker_idx] != packed:
+            return False, index > 0  # the pack failed: the sender put the targets back
+        if sources is None and deadline.expired():
+            return False, False  # a short pack: the next call takes the whole version
+        now = time.monotonic()
+        if mark != last_mark:
+            last_mark, last_move = mark, now
+        elif now - last_move > STALL_S:
+            return False, index > 0
+        copied = index
+        if sources is not None:
+            index = plan.copy_out(sources, targets, index, mark)
+        if index == copied:
+            time.sleep(_NAP_S)  # caught up: let the trainer pack the next piece
+
+
+def _restore_previous(model: _ReceiverModel, worker_idx: int,
+                      dest: Mapping[str, torch.Tensor], why: str) -> int:
+    """Copy the previous newest version (whole, and left alone by the sender while it
+    packs the next one) over a model that took part of a version; returns its number."""
+    previous = model.ctrl[_IDX_PREVIOUS]
+    if previous >= 0:
+        version, index = _unpack_target(previous)
+        slot = model.slots.get(index)
+        if slot is not None and _lock(model.control.fd, index, exclusive=False):
+            try:
+                if (model.ctrl[_IDX_PREVIOUS] == previous
+                        and model.ctrl[_PACKED_BASE + index] == model.plan.total):
+                    model.layout.unpack(slot.buffers, dest)
+                    _sync(slot)
+                    model.ctrl[_APPLIED_BASE + worker_idx] = version
+                    return version
+            finally:
+                _unlock(model.control.fd, index)
+    raise WeightSyncError(
+        f"worker {worker_idx}: {why}, and no whole version was left to restore: the model's "
+        "weights are partly overwritten; reconnect this worker to take a whole version"
+    )
+
+
+def copy_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torch.Tensor],
+                held_version: int, deadline: Deadline, wait_for_slot: WaitForSlot) -> int | None:
+    """Copy the newest version into ``dest`` (following its pack if it is still running);
+    returns it, or None (``dest`` untouched) if there is nothing newer to take now."""
+    dirty = False  # dest holds part of a version that was given up
+    while True:
+        found = newest_target(model, worker_idx, NO_VERSION if dirty else held_version,
+                              deadline, wait_for_slot)
+        if found is None:
+            if dirty:
+                return _restore_previous(model, worker_idx, dest, "no version to finish with")
+            return None
+        packed, version, slot = found
+        if not _lock(model.control.fd, slot.index, exclusive=False):
+            continue  # the sender holds it for a moment while it publishes there
+        try:
+            if model.ctrl[_HEADER_WORDS + worker_idx] != packed:
+                continue
+            whole, touched = _follow(model, worker_idx, packed, slot, dest, deadline)
+        finally:
+            _unlock(model.control.fd, slot.index)
+        if whole:
+            model.ctrl[_APPLIED_BASE + worker_idx] = version
+            return version
+        dirty = dirty or touched
+        if model.ctrl[_HEADER_WORDS + worker_idx] == packed:  # stalled (or short), not failed
+            if dirty:
+                return _restore_previous(
+                    model, worker_idx, dest,
+                    f"the trainer stopped packing version {version} for {STALL_S} s")
+            return None
+
+
+def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torch.Tensor],
+                 held_version: int, deadline: Deadline, wait_for_slot: WaitForSlot) -> int | None:
+    """Point ``dest``'s tensors at views into the newest slot, once it is completely packed.
+
+    The worker then holds that slot's shared lock until its next adopt (or close), so the
+    sender never rewrites memory the model reads; the slot it held before is let go. On the
+    CPU the views live in a read-only mapping: a stray write into the model's weights is a
+    crash (SIGSEGV), never a change seen by other workers. A slot still being packed is
+    waited for until ``deadline`` (``Deadline(0)``: not at all, the old version stays)."""
+    while True:
+        found = newest_target(model, worker_idx, held_version, deadline, wait_for_slot)
+        if found is None:
+            return None
+        packed, version, slot = found
+        index = slot.index
+        if index != model.held_slot and not _lock(model.control.fd, index, exclusive=False):
+            continue
+        whole = model.ctrl[_PACKED_BASE + index] == model.plan.total
+        if model.ctrl[_HEADER_WORDS + worker_idx] != packed or not whole:
+            if index != model.held_slot:
+                _unlock(model.control.fd, index)
+            if not whole and model.ctrl[_HEADER_WORDS + worker_idx] == packed:
+                if deadline.expired():
+                    return None
+                time.sleep(_NAP_S)
+            continue
+        views = model.layout.tensor_views(slot.buffers)
+        for name, tensor in dest.items():
+            tensor.data = views[name]
+        if model.held_slot is not None and model.held_slot != index:
+            _unlock(model.control.fd, model.held_slot)
+        model.held_slot = index
+        model.ctrl[_APPLIED_BASE + worker_idx] = version
+        return version
