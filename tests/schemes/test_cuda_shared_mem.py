@@ -46,3 +46,45 @@ def test_cuda_weights_over_cuda_ipc():
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def holding_worker(scheme, out):
+    """Maps the CUDA slots, says so, then waits to be killed."""
+    model = torch.nn.Linear(2048, 2048).cuda()
+    receiver = scheme.create_receiver(0)
+    receiver.register_model(model)
+    receiver.connect(timeout=60)
+    out.put("holding")
+    import time
+
+    time.sleep(600)
+
+
+def test_a_killed_cuda_workers_slots_are_freed_at_close():
+    """A worker SIGKILLed with the CUDA slots open leaves torch's consumer counts up; the
+    sender takes them back when it detaches the worker, and close() frees the slots."""
+    ctx = mp.get_context("spawn")
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=60)
+    out = ctx.Queue()
+    proc = ctx.Process(target=holding_worker, args=(scheme, out), daemon=True)
+    proc.start()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = torch.nn.Linear(2048, 2048).cuda()
+    try:
+        sender = scheme.create_sender()
+        sender.register_model(model)
+        sender.connect(timeout=120)
+        assert out.get(timeout=60) == "holding"
+        proc.kill()
+        proc.join(30)
+        with pytest.raises(ws.WorkerLostError):
+            sender.send(timeout=30)
+        sender.close()
+        del model
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() <= before, "the dead worker's slots stay pinned"
+    finally:
+        if proc.is_alive():
+            proc.kill()

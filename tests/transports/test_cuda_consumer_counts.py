@@ -63,3 +63,35 @@ def test_consumer_count_is_read_from_the_typed_handle_fields():
     count = ConsumerCount.of(handle_fields(args))
     assert count == ConsumerCount(b"/torch_1_2_3", 17)
     assert count.path() == "/dev/shm/torch_1_2_3"
+
+
+def test_the_sender_takes_back_only_what_a_dead_worker_recorded_and_a_clean_close_clears():
+    """The control-block record between a worker and its sender, with a real counter file:
+    slots a worker recorded as open are taken back once when it is detached; a worker that
+    closed cleanly cleared its record first, so nothing is taken back for it."""
+    import os
+
+    from weightsync.core.layout import Layout
+    from weightsync.transports import shm_slots
+
+    counters, handle = _torch_counter_file([2, 2, 2])  # 2 consumers on each of 3 slots
+    layout = Layout.from_weights({"w": torch.zeros(4)})
+    sender = shm_slots._SenderModel(layout, max_slots=4)
+    sender.cuda_counts = {i: {ConsumerCount(handle, i)} for i in range(3)}
+    dying = shm_slots._ReceiverModel(layout, os.dup(sender.control.fd))
+    leaving = shm_slots._ReceiverModel(layout, os.dup(sender.control.fd))
+    try:
+        dying._opened_bits = 0b011  # slots 0 and 1 mapped by worker 0
+        dying.record_opened(0)
+        leaving._opened_bits = 0b110  # slots 1 and 2 mapped by worker 1
+        leaving.record_opened(1)
+        leaving.forget_opened()  # clean close: its own release gives the counts back
+        assert sender.take_back_opened(1) == 0
+        assert sender.take_back_opened(0) == 2  # worker 0 died holding slots 0 and 1
+        assert counters.tolist() == [1, 1, 2]
+        assert sender.take_back_opened(0) == 0  # once only
+        assert counters.tolist() == [1, 1, 2]
+    finally:
+        dying.close()
+        leaving.close()
+        sender.close()

@@ -67,11 +67,18 @@ class StreamWriter:
         if self._pool is None:
             self._pool = SnapshotPool(layout, self.num_workers + 2)
         with self.members.joining:
-            _, lost = self.members.reachable(requested)
-            self._pool.fill(flat, version, deadline)
+            reachable, lost = self.members.reachable(requested)
+
+            def offer() -> None:  # as the pack begins: each streamer follows it piece by piece
+                for w, channel in reachable:
+                    self._streamer(w, channel).offer(version, deadline)
+
+            self._pool.fill(flat, version, deadline, on_started=offer)
         return lost
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
+        """The streamers were offered the version as its pack began; here only the
+        targets that left meanwhile are reported (offering twice does nothing)."""
         reachable, lost = self.members.reachable(targets)
         for w, channel in reachable:
             self._streamer(w, channel).offer(version, deadline)

@@ -109,6 +109,7 @@ class SharedMemTransport:
             for model in self._models.values():
                 model.set_target(worker_idx, -1)
                 model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
+                model.take_back_opened(worker_idx)  # a dead CUDA worker's slots
 
     def _announce(self, model_id: str, model: _SenderModel, channel: Channel) -> None:
         header = {
@@ -317,7 +318,9 @@ class SharedMemTransport:
         than ``held_version``; returns it, or None if there is nothing newer (or its slot's
         handle has not arrived by ``deadline``). A version still being packed is copied as
         the sender packs it (see ``shm_apply``): the call lasts about one copy either way."""
-        return copy_newest(self._receiver_models[model_id], worker_idx, dest, held_version,
+        model = self._receiver_models[model_id]
+        model.record_opened(worker_idx)
+        return copy_newest(model, worker_idx, dest, held_version,
                            deadline, lambda d: self._wait_for_slot(d, pump))
 
     def adopt_latest(
@@ -328,7 +331,9 @@ class SharedMemTransport:
         into the newest slot published for ``worker_idx``, if newer than ``held_version`` and
         completely packed by ``deadline`` (see ``shm_apply.adopt_newest``)."""
         self._adopts = True  # from now on, a version still being packed is not "published"
-        return adopt_newest(self._receiver_models[model_id], worker_idx, dest, held_version,
+        model = self._receiver_models[model_id]
+        model.record_opened(worker_idx)
+        return adopt_newest(model, worker_idx, dest, held_version,
                             deadline, lambda d: self._wait_for_slot(d, None))
 
     def _wait_for_slot(self, deadline: Deadline, pump: Any) -> None:
@@ -372,6 +377,12 @@ class SharedMemTransport:
         standalone.pump(self, self._channels.get(0), timeout)
 
     # ================================================================== both
+    def forget_opened(self) -> None:
+        """Receiver side, at a clean close and before saying goodbye: this worker releases
+        its CUDA slots itself, so the sender must not take their counts back for it."""
+        for rmodel in self._receiver_models.values():
+            rmodel.forget_opened()
+
     def close(self) -> None:
         """Release every segment this transport holds (sender or receiver side). In a
         process forked from the owner, only this copy's references are dropped: the shared

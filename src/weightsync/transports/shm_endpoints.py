@@ -3,13 +3,12 @@
 :class:`SharedMemWriter`: workers admitted by the hub (``local_members.py``) are attached to
 the shared slots; a version is published by one packed write into a free slot, and that
 is delivery: a worker's next ``poll()`` takes it. Only workers blocked in ``receive()``
-get a notice, sent without blocking. :class:`SharedMemReader`: copies the newest slot into
+get a notice, sent without blocking by the transport. :class:`SharedMemReader`: copies the newest slot into
 the model, or (zero-copy) points the model's tensors at read-only views of it.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
@@ -19,12 +18,10 @@ from weightsync.core.endpoints import Losses
 from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.local_channel import Channel, Message
 from weightsync.transports.local_link import LocalLink
-from weightsync.transports.local_members import VERSION, Members
+from weightsync.transports.local_members import Members
 from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
-
-logger = logging.getLogger(__name__)
 
 
 class SharedMemWriter:
@@ -53,18 +50,9 @@ class SharedMemWriter:
         return lost
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
-        """Publishing delivered the version; wake only the workers blocked in receive()."""
-        reachable, lost = self.members.reachable(targets)
-        for w, channel in reachable:
-            if not self.transport.worker_waiting(w):
-                continue
-            try:
-                if not channel.send_nowait({"t": VERSION, "v": version}):
-                    # a worker that does not read its notices is lagging, not waited on
-                    logger.debug("worker %d is not reading its notices (lagging)", w)
-            except (ChannelClosed, ChannelTimeout) as exc:
-                lost[w] = f"could not be notified: {exc}"
-        return lost
+        """Publishing delivered the version, and the transport woke the workers blocked
+        in ``receive()`` (for a large model as the pack began); report who left."""
+        return self.members.reachable(targets)[1]
 
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
@@ -160,5 +148,6 @@ class SharedMemReader:
             with torch.no_grad():
                 for tensor in dest.values():
                     tensor.data = tensor.data.clone()
+        self.transport.forget_opened()  # before the goodbye: see SharedMemTransport
         self.link.close()
         self.transport.close()

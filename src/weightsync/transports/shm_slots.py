@@ -30,7 +30,13 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.cuda_ipc import open_cuda_buffer, share_cuda_buffer
+from weightsync.transports.cuda_ipc import (
+    ConsumerCount,
+    counts_to_take_back,
+    open_cuda_buffer,
+    share_cuda_buffer,
+    take_back,
+)
 from weightsync.transports.local_channel import Message
 from weightsync.transports.memfd import Segment
 from weightsync.transports.pack_pieces import PiecePlan
@@ -45,7 +51,10 @@ _WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in rece
 _APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
 _PACKED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS  # per-slot: bytes packed of its version
 _PACK_FAILED = -1  # a slot's "bytes packed" word after its pack failed
-_CONTROL_NBYTES = (_HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE) * 8
+# per worker: a bit per CUDA slot it opened and has not released (slots 0..62 tracked)
+_OPENED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE
+_OPENED_BITS = 63
+_CONTROL_NBYTES = (_HEADER_WORDS + 4 * _MAX_WORKERS + _SLOT_SPACE) * 8
 DEFAULT_MODEL_ID = "policy"
 
 
@@ -102,7 +111,10 @@ class _SenderModel:
         for w in range(_MAX_WORKERS):
             self.ctrl[_HEADER_WORDS + w] = -1
             self.ctrl[_APPLIED_BASE + w] = NO_VERSION
+            self.ctrl[_OPENED_BASE + w] = 0
         self.slots: list[_Slot] = []
+        # slot -> where torch counts the workers that opened its CUDA buffers
+        self.cuda_counts: dict[int, set[ConsumerCount]] = {}
         self.version = NO_VERSION
 
     def new_slot(self) -> _Slot:
@@ -120,6 +132,9 @@ class _SenderModel:
 
     def slot_message(self, slot: _Slot, model_id: str) -> tuple[dict[str, Any], list[int]]:
         devices = {d: (None if d == "cpu" else share_cuda_buffer(b)) for d, b in slot.buffers.items()}
+        for fields in devices.values():
+            if fields is not None:
+                self.cuda_counts.setdefault(slot.index, set()).add(ConsumerCount.of(fields))
         fds = [slot.segments["cpu"].fd] if "cpu" in slot.segments else []
         return {"t": "shm.slot", "model_id": model_id, "index": slot.index, "devices": devices}, fds
 
@@ -207,12 +222,29 @@ class _SenderModel:
                 )
             time.sleep(0.0002)
 
+    def take_back_opened(self, worker_idx: int) -> int:
+        """Worker ``worker_idx`` is gone: take back the consumer counts it left on CUDA
+        slots it opened and never released (a clean close clears its record first), so
+        ``torch.cuda.ipc_collect()`` can free those slots; returns how many."""
+        bits, self.ctrl[_OPENED_BASE + worker_idx] = int(self.ctrl[_OPENED_BASE + worker_idx]), 0
+        if not bits:
+            return 0
+        opened = {worker_idx: {count for index, counts in self.cuda_counts.items()
+                               if index < _OPENED_BITS and bits >> index & 1
+                               for count in counts}}
+        taken = take_back(counts_to_take_back(opened, {worker_idx}))
+        if taken and torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        return taken
+
     def close(self) -> None:
         self.ctrl[_IDX_CLOSED] = 1
         self.ctrl.release()
         for slot in self.slots:
             slot.close()
         self.control.close()
+        if self.cuda_counts and torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # frees the CUDA slots no live worker holds
 
 
 class _ReceiverModel:
@@ -226,6 +258,8 @@ class _ReceiverModel:
         self.plan = PiecePlan(layout)
         self._views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
         self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
+        self._opened_bits = 0  # CUDA slots mapped here (their consumer count holds our one)
+        self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
 
     def views_of(self, slot: _Slot) -> list[torch.Tensor]:
         """The typed views of each piece of ``slot`` (made once per slot)."""
@@ -246,10 +280,28 @@ class _ReceiverModel:
                 slot.buffers["cpu"] = seg.tensor
             else:
                 slot.buffers[device] = open_cuda_buffer(handle)
+                if slot.index < _OPENED_BITS:
+                    self._opened_bits |= 1 << slot.index
         self.slots[slot.index] = slot
         self._views.pop(slot.index, None)
 
+    def record_opened(self, worker_idx: int) -> None:
+        """Tell the sender, in the control block, which CUDA slots this worker holds open:
+        should it die, the sender takes back the counts it left. Written after opening
+        (a death in between leaks, never frees memory a live worker maps)."""
+        if self._opened_bits and self._recorded != (worker_idx, self._opened_bits):
+            self.ctrl[_OPENED_BASE + worker_idx] = self._opened_bits
+            self._recorded = (worker_idx, self._opened_bits)
+
+    def forget_opened(self) -> None:
+        """A clean close, before the slots are released: the sender must not take back
+        counts this worker's own release takes back."""
+        if self._recorded is not None:
+            self.ctrl[_OPENED_BASE + self._recorded[0]] = 0
+            self._recorded = None
+
     def close(self) -> None:
+        self.forget_opened()
         self._views.clear()
         self.ctrl.release()
         for slot in self.slots.values():

@@ -4,16 +4,38 @@ it looks for weights."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
+from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local_channel import Channel, ChannelClosed
+from weightsync.transports.local_channel import Channel, ChannelClosed, Message
 
-if TYPE_CHECKING:
-    from weightsync.transports.shared_mem import SharedMemTransport
+
+class SharedMemTransport(Protocol):
+    """What the pipe flow uses of ``transports.shared_mem.SharedMemTransport`` (named here
+    so that this module does not import the one that imports it)."""
+
+    _receiver_versions: dict[str, int]
+
+    def mark_sender_lost(self) -> None: ...
+
+    def handle_message(self, message: Message) -> bool: ...
+
+    def _pump(self, timeout: float) -> None: ...
+
+    def wait_for_model(self, model_id: str, deadline: Deadline, pump: Any = None) -> Layout: ...
+
+    def published_version(self, worker_idx: int, model_id: str = ...) -> int: ...
+
+    def apply_latest(self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
+                     deadline: Deadline, model_id: str = ...,
+                     pump: Callable[[float], None] | None = None) -> int | None: ...
 
 
 def pump(transport: SharedMemTransport, channel: Channel | None, timeout: float) -> None:
