@@ -18,7 +18,7 @@ import torch
 from workers import checksum, echo_worker, fill_all, make_model
 
 import weightsync as ws
-from weightsync.transports.local_channel import AddressInUseError
+from weightsync.transports.local_address import AddressInUseError
 
 LOCAL = {
     "shm": ws.SharedMemWeightSyncScheme,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
-from weightsync.transports.local_channel import new_address
+from weightsync.transports.local_address import new_address
 from weightsync.transports.local_link import LocalLink
 
 

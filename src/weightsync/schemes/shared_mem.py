@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from weightsync.core.strategy import WeightStrategy
-from weightsync.schemes.local import LocalScheme
+from weightsync.schemes.local import LocalScheme, SameHostConfig
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.shm_endpoints import SharedMemReader, SharedMemWriter
+
+
+@dataclass(frozen=True)
+class SharedMemConfig(SameHostConfig):
+    """The same-host settings, plus the slot pool's cap and the receivers' default mode."""
+
+    max_slots: int | None = None
+    zero_copy: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        m = self.max_slots
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
+            raise ValueError(f"max_slots must be an int >= 2 or None, got {m!r}")
+        object.__setattr__(self, "zero_copy", bool(self.zero_copy))
 
 
 class SharedMemWeightSyncScheme(LocalScheme):
@@ -23,12 +40,11 @@ class SharedMemWeightSyncScheme(LocalScheme):
         zero_copy: bool = False,
     ) -> None:
         super().__init__(num_workers, timeout=timeout, strategy=strategy)
-        if max_slots is not None and (
-            not isinstance(max_slots, int) or isinstance(max_slots, bool) or max_slots < 2
-        ):
-            raise ValueError(f"max_slots must be an int >= 2 or None, got {max_slots!r}")
-        self.max_slots = max_slots
-        self.zero_copy = bool(zero_copy)
+        self.config: SharedMemConfig = SharedMemConfig(
+            **asdict(self.config), max_slots=max_slots, zero_copy=zero_copy)
+
+    max_slots = property(lambda self: self.config.max_slots)
+    zero_copy = property(lambda self: self.config.zero_copy)
 
     def create_sender(self) -> WeightSender:
         c = self.config

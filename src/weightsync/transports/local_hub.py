@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from weightsync.transports.local_address import ChannelListener
 from weightsync.transports.local_auth import (
     HandshakeError,
     PeerCredentials,
@@ -35,7 +36,6 @@ from weightsync.transports.local_auth import (
 from weightsync.transports.local_channel import (
     Channel,
     ChannelClosed,
-    ChannelListener,
     ChannelTimeout,
     Message,
 )

@@ -19,6 +19,7 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import SenderLostError, WeightSyncError, WeightSyncTimeoutError
 from weightsync.core.liveness import ProcessWatch, is_same_or_descendant
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local_address import connect_channel
 from weightsync.transports.local_auth import (
     HandshakeError,
     new_nonce,
@@ -33,7 +34,6 @@ from weightsync.transports.local_channel import (
     ChannelClosed,
     ChannelTimeout,
     Message,
-    connect_channel,
 )
 from weightsync.transports.local_hub import HUB_TICK
 from weightsync.transports.local_members import ACK, BYE, CLOSE, MISMATCH, VERSION
