@@ -117,14 +117,13 @@ class VLLMDoubleBufferWeightSender(WeightSender):
         version only when the training loop calls it, so waiting here could deadlock."""
         deadline = self._deadline(None)
         self._check_open()
-        if self._pending is not None:
-            raise RuntimeError("a send_async() is still pending: call wait_async() first")
         self._start_writer(deadline)
+        waiting = self._pending  # a send_async() whose acks wait_async() still collects
         self._publish(self._weights_to_send(weights), None, deadline, self.version + 1)
-        pending, self._pending = self._pending, None
-        assert pending is not None
-        self._record(pending)
-        return pending.version
+        committed, self._pending = self._pending, waiting
+        assert committed is not None
+        self._record(committed)
+        return committed.version
 
 
 class VLLMDoubleBufferWeightReceiver(WeightReceiver):
