@@ -58,13 +58,20 @@ def named_actor_gone(ray: Any, name: str, timeout: float = 30.0) -> bool:
 
 
 def actors_dead(ray: Any, actors: list[Any], timeout: float = 30.0) -> bool:
-    """Whether every one of ``actors`` is dead: a call to it fails with RayActorError."""
+    """Whether every one of ``actors`` is dead within ``timeout``: a call to it fails with
+    RayActorError (a kill that has not landed yet still answers: look again)."""
+    end = time.monotonic() + timeout
     for actor in actors:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout)
-        except ray.exceptions.RayActorError:
-            continue
-        return False
+        while True:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, end - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                return False
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
     return True
 
 
