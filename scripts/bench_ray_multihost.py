@@ -26,6 +26,7 @@ import ray  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from multihost import two_host_cluster, unavailable_reason  # noqa: E402
 
+from weightsync.bench.ray_actors import p2p_seconds  # noqa: E402
 from weightsync.integrations.ray import RayWeightReceiverMixin  # noqa: E402
 from weightsync.schemes.ray import RayWeightSyncScheme  # noqa: E402
 from weightsync.transports.ray_group import GroupInfo, WeightGroup, wire_checksums  # noqa: E402
@@ -93,14 +94,9 @@ def time_sends(cluster: Any, nbytes: int, workers: int, repeats: int,
                         suffix = "" if checksums else "_no_checksum"
                         out["send" + suffix].append(t1 - t0)
                         out["applied" + suffix].append(time.perf_counter() - t0)
-                info = GroupInfo(address, int(store.port), 2, 2000 + i, "gloo", {0: 1}, 120.0)
-                ref = actors[0].p2p_recv.remote(info.__dict__)
-                group = WeightGroup(info, 0, store=store, host=address)
-                t0 = time.perf_counter()
-                group.pg.send([payload], 1, 0).wait()
-                ray.get(ref)
+                seconds = p2p_seconds(actors[0], store, address, 2000 + i, payload)
                 if i:
-                    out["p2p"].append(time.perf_counter() - t0)
+                    out["p2p"].append(seconds)
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -118,14 +114,9 @@ def time_p2p(cluster: Any, nbytes: int, repeats: int) -> list[float]:
     times = []
     try:
         for i in range(repeats + 1):
-            info = GroupInfo(address, int(store.port), 2, 1000 + i, "gloo", {0: 1}, 120.0)
-            ref = actor.p2p_recv.remote(info.__dict__)
-            group = WeightGroup(info, 0, store=store, host=address)
-            t0 = time.perf_counter()
-            group.pg.send([payload], 1, 0).wait()
-            ray.get(ref)
+            seconds = p2p_seconds(actor, store, address, 1000 + i, payload)
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(seconds)
     finally:
         ray.kill(actor)
     return times

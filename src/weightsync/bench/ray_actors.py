@@ -41,6 +41,23 @@ def _ray_bench_actor_class() -> Any:
     return BenchActor
 
 
+def p2p_seconds(actor: Any, store: Any, address: str, generation: int,
+                payload: torch.Tensor) -> float:
+    """One gloo point-to-point transfer of ``payload`` from this process to ``actor`` (a
+    bench actor with ``p2p_recv``) through ``store``: the floor a Ray send is held against."""
+    import ray
+
+    from weightsync.transports.ray import GroupInfo, WeightGroup
+
+    info = GroupInfo(address, int(store.port), 2, generation, "gloo", {0: 1}, 120.0)
+    ref = actor.p2p_recv.remote(info.__dict__)
+    group = WeightGroup(info, 0, store=store, host=address)
+    t0 = time.perf_counter()
+    group.pg.send([payload], 1, 0).wait()
+    ray.get(ref)
+    return time.perf_counter() - t0
+
+
 def bench_ray(
     nbytes: int, workers: int, repeats: int, node_local: bool = True,
 ) -> dict[str, list[float]]:
@@ -53,7 +70,7 @@ def bench_ray(
     import torch.distributed as dist
 
     from weightsync.schemes.ray import RayWeightSyncScheme
-    from weightsync.transports.ray import GroupInfo, WeightGroup, node_address
+    from weightsync.transports.ray import node_address
 
     actor_cls = _ray_bench_actor_class()
     scheme = RayWeightSyncScheme(num_workers=workers, timeout=300, node_local=node_local)
@@ -79,14 +96,9 @@ def bench_ray(
                               wait_for_workers=False)
         payload = torch.ones(nbytes, dtype=torch.uint8)
         for i in range(min(repeats, 5) + 1):
-            info = GroupInfo(address, int(store.port), 2, 1000 + i, "gloo", {0: 1}, 120.0)
-            ref = actors[0].p2p_recv.remote(info.__dict__)
-            group = WeightGroup(info, 0, store=store)
-            t0 = time.perf_counter()
-            group.pg.send([payload], 1, 0).wait()
-            ray.get(ref)
-            if i:
-                times["p2p"].append(time.perf_counter() - t0)
+            seconds = p2p_seconds(actors[0], store, address, 1000 + i, payload)
+            if i:  # the first warms buffers and connections
+                times["p2p"].append(seconds)
     finally:
         for actor in actors:
             ray.kill(actor)
