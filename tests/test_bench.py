@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
-from weightsync.bench.floors import copy_times, socket_times
-from weightsync.bench.local import bench_local, make_model, supports_zero_copy
+from weightsync.bench.floors import copy_times, socket_times, wake_times
+from weightsync.bench.local import bench_local, make_model, run_bench, supports_zero_copy
 from weightsync.bench.plot import COLOURS, transport_of, write_plot
 from weightsync.bench.rows import format_table, make_row
 from weightsync.cli import main
 from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
+from weightsync.transports.futex import supported
 
 
 def test_model_has_the_asked_size_in_layers():
@@ -40,7 +41,7 @@ def test_every_worker_reports_the_version_it_applied(transport):
 
 @pytest.mark.slow
 def test_workers_blocked_in_receive_report_each_version_but_no_apply_time():
-    """``--worker-step-ms 0``: workers block in ``receive()`` (woken by the notice), so the
+    """``--worker-step-ms 0``: workers block in ``receive()`` (woken as it is published), so the
     time until every worker holds a version is measured, and no "apply in worker" row."""
     times = bench_local("shm", 256_000, workers=2, repeats=3, floor=1e-4, step_s=0.0)
     assert times.skipped is None
@@ -102,3 +103,19 @@ def test_bench_runs_without_the_demo_extra(monkeypatch, capsys, tmp_path):
     assert "[1/2] measuring file /dev/shm 100KB..." in captured.err
     assert "| file update (/dev/shm) | 100KB | 1 |" in captured.out
     assert list(tmp_path.iterdir()) == []  # its scratch directory is gone
+
+
+@pytest.mark.slow
+def test_receive_loop_notes_the_wake_floor_measured_in_the_same_run():
+    """Blocked workers: the note gives, per worker count, one wake of that many blocked
+    processes until the last runs (the floor of "applied everywhere" in that loop)."""
+    notes: list[str] = []
+    run_bench(["shm"], [("64KB", 64_000)], [1, 2], repeats=2, shm_modes=("copy",),
+              step_s=0.0, notes=notes)
+    wake = [n for n in notes if n.startswith("wake floor")]
+    if not supported():
+        assert wake == []
+        return
+    assert len(wake) == 1 and "1: " in wake[0] and "2: " in wake[0], notes
+    samples = wake_times(2, repeats=3)
+    assert samples is not None and len(samples) == 3 and all(0 < t < 5 for t in samples)

@@ -1,9 +1,12 @@
 """What the machine itself costs, measured in the same run as the transports: one memcpy
-(one device-to-device copy on a GPU) and one bare Unix-socket transfer."""
+(one device-to-device copy on a GPU), one bare Unix-socket transfer, and waking processes
+blocked in a wait (what a worker blocked in ``receive()`` costs before it does anything)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import multiprocessing as mp
 import socket
 import statistics
@@ -76,3 +79,69 @@ def socket_times(nbytes: int, repeats: int = 5) -> list[float]:
             reader.kill()
             reader.join(5)
     return times[1:]  # the first transfer grows the socket buffers
+
+
+_STOP = 0  # word 0 of the wake floor's shared page: 1 tells the sleepers to leave
+_RING = 1  # word 1: the futex the sleepers wait on; word 2 + i: when sleeper i woke
+
+
+def _ring_in(page: mmap.mmap) -> Any:
+    """The futex word ``_RING`` of ``page`` (None without futex support)."""
+    from weightsync.transports.futex import FutexWord
+
+    anchor = ctypes.c_char.from_buffer(page)
+    base = ctypes.addressof(anchor)
+    del anchor  # only the address is kept: the page may be closed later
+    return FutexWord.at(memoryview(page).cast("q"), _RING, base)
+
+
+def _sleeper(page: mmap.mmap, index: int) -> None:
+    words = memoryview(page).cast("d")
+    ring = _ring_in(page)
+    assert ring is not None
+    while not words[_STOP]:
+        seen = ring.value
+        ring.wait(seen, 1.0)
+        words[2 + index] = time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005) -> list[float] | None:
+    """Seconds from one futex wake of ``workers`` processes blocked on it until the last of
+    them runs, the waker busy for ``busy_s`` before each (as the bench's trainer is): the
+    floor of "applied everywhere" for workers blocked in ``receive()``. None without futex."""
+    page = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    words = memoryview(page).cast("d")
+    ring = _ring_in(page)
+    if ring is None:
+        return None
+    ctx = mp.get_context("fork")  # the sleepers need nothing but this page
+    sleepers = [ctx.Process(target=_sleeper, args=(page, i), daemon=True) for i in range(workers)]
+    for p in sleepers:
+        p.start()
+    times = []
+    try:
+        time.sleep(0.2)  # every sleeper is asleep
+        for _ in range(repeats + 1):
+            end = time.perf_counter() + busy_s
+            while time.perf_counter() < end:
+                pass
+            t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
+            ring.raise_and_wake()
+            deadline = time.monotonic() + 5.0
+            while (min(words[2 + i] for i in range(workers)) < t0
+                   and time.monotonic() < deadline):
+                time.sleep(0.0001)
+            times.append(max(words[2 + i] for i in range(workers)) - t0)
+    finally:
+        words[_STOP] = 1
+        ring.raise_and_wake()
+        for p in sleepers:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        del ring  # its view of the page, then ours: the page can then be unmapped
+        words.release()
+        with contextlib.suppress(BufferError):
+            page.close()
+    return times[1:]

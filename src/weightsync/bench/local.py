@@ -3,7 +3,7 @@ version is published) and until every worker's model holds it (applied in ``poll
 
 Workers act like collectors: a short environment step, then ``poll()``; with a step of 0
 they act like a user who wants each version at once and block in ``receive()`` (woken by
-the trainer's notice). Each records in a shared array the version it applied, when
+the trainer as it publishes). Each records in a shared array the version it applied, when
 (``CLOCK_MONOTONIC``, the same clock in every process) and how long the ``poll()`` that
 applied it took (a blocking ``receive()`` mostly waits, so it has no such row)."""
 
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.floors import memcpy_floor, socket_times
+from weightsync.bench.floors import memcpy_floor, socket_times, wake_times
 from weightsync.bench.rows import BenchRow, make_row
+from weightsync.units import format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def run_bench(
     rows: list[BenchRow] = []
     if notes is not None:
         notes.append("workers " + (f"step {step_s * 1e3:g} ms, then poll()" if step_s > 0 else
-                                   "block in receive(), woken by the trainer's notice"))
+                                   "block in receive(), woken as each version arrives"))
     for size, nbytes in sizes:
         for transport in transports:
             modes = shm_modes if transport == "shm" else ("copy",)
@@ -233,9 +234,24 @@ def run_bench(
                             continue
                         rows.append(make_row(f"{label} {phase}", size, nbytes, n, values, floor,
                                              floor_name))
+            if transport == "shm" and step_s <= 0 and notes is not None:
+                _note_wake_floors(notes, worker_counts, repeats)
             if transport == "mp":  # what the socket alone costs, beside the same memcpy
                 floor = memcpy_floor(nbytes)
                 samples = socket_times(nbytes, repeats=max(5, min(repeats, 20)))
                 rows.append(make_row("mp floor: bare Unix-socket transfer", size, nbytes, 1,
                                      samples, floor))
     return rows
+
+
+def _note_wake_floors(notes: list[str], worker_counts: Sequence[int], repeats: int) -> None:
+    """The machine's floor of "applied everywhere" when the workers block in ``receive()``:
+    one wake of that many blocked processes until the last one runs (same run)."""
+    figures = []
+    for n in worker_counts:
+        samples = wake_times(n, repeats=max(10, repeats))
+        if samples:
+            figures.append(f"{n}: {format_duration(statistics.median(samples))}")
+    if figures:
+        notes.append("wake floor (blocked processes woken at once, until the last one runs), "
+                     "median by worker count: " + ", ".join(figures))

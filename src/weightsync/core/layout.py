@@ -330,9 +330,12 @@ class Layout:
                 _copy_all(targets, sources)
 
     @torch.no_grad()
-    def unpack(self, buffers: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor]) -> None:
-        """Copy every tensor out of ``buffers`` into the matching tensor of ``dest``."""
-        views = self.tensor_views(buffers)
+    def unpack(self, buffers: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor],
+               views: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Copy every tensor out of ``buffers`` (or its ``views``, made by
+        :meth:`tensor_views` and kept by the caller) into the matching tensor of ``dest``."""
+        if views is None:
+            views = self.tensor_views(buffers)
         _copy_all([dest[name] for name in self.names], [views[name] for name in self.names])
 
 

@@ -75,7 +75,8 @@ class WeightReceiver(Closable):
             raise RuntimeError(
                 f"worker {self.worker_idx}: call register_model(model) before connect()"
             )
-        fresh = flat_tensors(self._model, what=f"worker {self.worker_idx}'s model")
+        fresh = (self._own_tensors() if self.reader.views_model
+                 else flat_tensors(self._model, what=f"worker {self.worker_idx}'s model"))
         if fresh.keys() != self._dest.keys() or any(
             fresh[k] is not t and (fresh[k].shape != t.shape or fresh[k].dtype != t.dtype
                                    or fresh[k].device != t.device)
@@ -86,13 +87,12 @@ class WeightReceiver(Closable):
                 other_name=f"worker {self.worker_idx}'s model now",
             )
         self._dest = fresh
-        if self.reader.views_model:
-            return self._own_tensors(fresh)
         return fresh
 
-    def _own_tensors(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
         """For a reader that re-points ``.data`` (zero-copy): the model's own Parameter and
-        buffer objects, so optimizers, hooks and ``state_dict()`` keep working."""
+        buffer objects, so optimizers, hooks and ``state_dict()`` keep working (one walk of
+        the model: ``poll()`` pays it at each apply)."""
         if isinstance(self._model, torch.nn.Module):
             return dict(self._model.state_dict(keep_vars=True))
         if isinstance(self._model, Mapping) and all(
@@ -153,10 +153,13 @@ class WeightReceiver(Closable):
         """Block for a newer version (up to ``timeout``, default the scheme's) and apply it;
         None if none came in time."""
         deadline = self._deadline(timeout)
+        with self._apply_lock:
+            self._check_open()
+            dest = self._destination()  # once per call: not between a wake-up and its apply
         while True:
             with self._apply_lock:
                 self._check_open()
-                applied = self.reader.apply_newest(self._destination(), self._version,
+                applied = self.reader.apply_newest(dest, self._version,
                                                    Deadline(deadline.slice(_WAIT_SLICE)))
                 if applied is not None:
                     return self._applied(applied)

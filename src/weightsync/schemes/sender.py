@@ -190,9 +190,9 @@ class WeightSender(Closable):
         """Publish ``version`` to ``named`` (None: everyone) and start delivering it."""
         assert self._layout is not None
         requested = named if named is not None else list(range(self._table.num_workers))
-        self._reported.difference_update(self.writer.held_versions())  # back again
         t0 = time.perf_counter()
         unreachable = self.writer.publish(flat, self._layout, requested, version, deadline)
+        self._reported.difference_update(self.writer.held_versions())  # back again
         targets = [w for w in requested if w not in unreachable]
         # already reported, and not asked for by name: not raised again
         lost = dict(unreachable) if named is not None else {
@@ -235,10 +235,11 @@ class WeightSender(Closable):
         self._stats.add(SendRecord(pending.version, tuple(pending.targets), pending.nbytes,
                                    pending.phases))
         elapsed = time.perf_counter() - pending.started
-        slow = elapsed > SLOW_SEND_SECONDS
-        (logger.info if slow else logger.debug)(
-            "version %d sent to worker(s) %s in %s%s", pending.version, pending.targets,
-            human_duration(elapsed), " (slow)" if slow else "")
+        level = logging.INFO if elapsed > SLOW_SEND_SECONDS else logging.DEBUG
+        if logger.isEnabledFor(level):
+            logger.log(level, "version %d sent to worker(s) %s in %s%s", pending.version,
+                       pending.targets, human_duration(elapsed),
+                       " (slow)" if level == logging.INFO else "")
 
     def _check_open(self) -> None:
         if self._forked_copy:

@@ -61,6 +61,8 @@ class LocalLink:
         self._sender_watch: ProcessWatch | None = None
         self._reader: threading.Thread | None = None
         self._on_message: MessageEvent | None = None
+        #: called (from the reader thread) once the trainer is gone, to end a wait early
+        self.on_sender_lost: Callable[[], None] | None = None
         self._stop = False
 
     # ------------------------------------------------------------------ joining
@@ -168,6 +170,8 @@ class LocalLink:
         with self.cond:
             self.sender_lost = why
             self.cond.notify_all()
+        if self.on_sender_lost is not None:
+            self.on_sender_lost()
 
     # ------------------------------------------------------------------ the reader's needs
     def ack(self, version: int, timeout: float = 1.0) -> None:

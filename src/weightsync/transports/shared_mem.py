@@ -28,6 +28,7 @@ from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports import shm_standalone as standalone
+from weightsync.transports.futex import FutexWord
 from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
 from weightsync.transports.shm_apply import adopt_newest, copy_newest
 from weightsync.transports.shm_slots import (
@@ -158,6 +159,12 @@ class SharedMemTransport:
         model = self._models.get(model_id)
         return NO_VERSION if model is None else model.applied(worker_idx)
 
+    def ring(self, model_id: str = DEFAULT_MODEL_ID) -> FutexWord | None:
+        """Receiver side: the word a worker blocked in ``receive()`` sleeps on (None: no
+        model yet, or no futex here)."""
+        model = self._receiver_models.get(model_id)
+        return None if model is None else model.ring
+
     def set_waiting(self, worker_idx: int, waiting: bool, model_id: str = DEFAULT_MODEL_ID) -> None:
         """Receiver side: announce that this worker blocks until a notice comes."""
         model = self._receiver_models.get(model_id)
@@ -204,10 +211,16 @@ class SharedMemTransport:
             slot = model.acquire_free_slot(list(self._channels), deadline, model_id,
                                            lambda new: self._announce_slot(model_id, model, new, deadline))
             model.write(flat, slot, ids, version, lambda: self._wake_waiting(model, ids, version))
+            if model.plan.in_pieces and model.ring is not None:
+                model.ring.raise_and_wake()  # a zero-copy worker waits for the whole version
 
     def _wake_waiting(self, model: _SenderModel, worker_ids: list[int], version: int) -> None:
-        """Send a notice to each target blocked in ``receive()`` (for a large model before the
-        pack, so the worker copies along with it) and lower its flag so it gets just one."""
+        """Wake the targets blocked in ``receive()`` (for a large model before the pack, so a
+        copying worker follows it): all at once through the control block's ring word, or
+        where there is no futex, a notice to each (its flag lowered so it gets just one)."""
+        if model.ring is not None:
+            model.ring.raise_and_wake()
+            return
         for w in worker_ids:
             channel = self._channels.get(w)
             if channel is None or not model.waiting(w):

@@ -83,7 +83,7 @@ def _follow(model: _ReceiverModel, worker_idx: int, packed: int, slot: _Slot,
     plan, ctrl = model.plan, model.ctrl
     word = _PACKED_BASE + slot.index
     if ctrl[word] == plan.total:
-        model.layout.unpack(slot.buffers, dest)
+        model.layout.unpack(slot.buffers, dest, model.tensors_of(slot))
         _sync(slot)
         return True, False
     sources = model.views_of(slot) if plan.reader_ok(dest) else None
@@ -197,7 +197,7 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
                     return None
                 time.sleep(_NAP_S)
             continue
-        views = model.layout.tensor_views(slot.buffers)
+        views = model.tensors_of(slot)
         for name, tensor in dest.items():
             tensor.data = views[name]
         if model.held_slot is not None and model.held_slot != index:

@@ -3,8 +3,9 @@
 :class:`SharedMemWriter`: workers admitted by the hub (``local_members.py``) are attached to
 the shared slots; a version is published by one packed write into a free slot, and that
 is delivery: a worker's next ``poll()`` takes it. Only workers blocked in ``receive()``
-get a notice, sent without blocking by the transport. :class:`SharedMemReader`: copies the newest slot into
-the model, or (zero-copy) points the model's tensors at read-only views of it.
+are woken, all at once, through the control block's ring word (``futex``). :class:`SharedMemReader`:
+copies the newest slot into the model, or (zero-copy) points the model's tensors at
+read-only views of it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from weightsync.transports.local_link import LocalLink
 from weightsync.transports.local_members import Members
 from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
 
+#: the longest a blocked worker sleeps between two looks at the control block
+_WAIT_SLICE = 0.05
+
 
 class SharedMemWriter:
     """The trainer's end: one write per send into a slot no worker reads."""
@@ -33,8 +37,15 @@ class SharedMemWriter:
                  max_slots: int) -> None:
         self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
         self.members = Members(address, token, uid, num_workers,
-                               on_join=self.transport.attach_worker,
-                               on_lost=self.transport.detach_worker)
+                               on_join=self.transport.attach_worker, on_lost=self._detach)
+
+    def _detach(self, worker_idx: int) -> None:
+        """A worker left or died: keep the version it applied (the transport forgets it)."""
+        applied = self.transport.applied_version(worker_idx)
+        with self.members.cond:
+            state = self.members.table.workers[worker_idx]
+            state.version = max(state.version, applied)
+        self.transport.detach_worker(worker_idx)
 
     def start(self, deadline: Deadline) -> None:
         self.members.start()
@@ -42,7 +53,6 @@ class SharedMemWriter:
     def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> Losses:
         self.members.check_hub()
-        self.members.drop_dead(requested)  # no acks: a dead worker is found here or never
         with self.members.joining:
             reachable, lost = self.members.reachable(requested)
             targets = [w for w, _ in reachable]
@@ -51,8 +61,18 @@ class SharedMemWriter:
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
         """Publishing delivered the version, and the transport woke the workers blocked
-        in ``receive()`` (for a large model as the pack began); report who left."""
-        return self.members.reachable(targets)[1]
+        in ``receive()`` (for a large model as the pack began); report who left. With no
+        acks, a dead worker is found here or never: looked for after the wake-ups, so the
+        live workers are not kept waiting by the look. A worker that already holds the
+        version got it, even if it has left since."""
+        # shared memory first, then the table: ``_detach`` copies one into the other before
+        # the transport forgets it, so either read sees a version applied by a leaver
+        applied = {w: self.transport.applied_version(w) for w in targets}
+        with self.members.cond:
+            pending = [w for w in targets
+                       if max(applied[w], self.members.table.workers[w].version) < version]
+        self.members.drop_dead(pending)
+        return self.members.reachable(pending)[1]
 
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
@@ -86,9 +106,16 @@ class SharedMemReader:
         self.expecting = "weights from the sender"
         self.views_model = zero_copy
         self.transport = SharedMemTransport()
+        link.on_sender_lost = self._end_wait
 
     def _on_message(self, message: Message, channel: Channel) -> bool:
         return self.transport.handle_message(message)
+
+    def _end_wait(self) -> None:
+        """The trainer is gone: cut a wait short (every sleeper looks again)."""
+        ring = self.transport.ring()
+        if ring is not None:
+            ring.wake()
 
     def open(self, local: Layout | None, deadline: Deadline) -> None:
         self.link.open(deadline, self._on_message)
@@ -123,6 +150,19 @@ class SharedMemReader:
         return self.transport.apply_latest(self.worker_idx, dest, version, deadline)
 
     def wait(self, version: int, deadline: Deadline) -> None:
+        ring = self.transport.ring()
+        if ring is None:  # no model yet, or no futex here: the trainer sends a notice
+            self._wait_for_notice(version, deadline)
+            return
+        try:
+            seen = ring.value  # read before the look: a raise after it ends the sleep at once
+            self.link.check_sender(version)
+            if self.transport.published_version(self.worker_idx) <= version:
+                ring.wait(seen, deadline.slice(_WAIT_SLICE))
+        except ValueError:  # closed meanwhile by another thread: the caller finds it closed
+            return
+
+    def _wait_for_notice(self, version: int, deadline: Deadline) -> None:
         # raise the flag first, then look: a version published after the look is noticed
         # (should the two race, the next 50 ms slice of the wait finds it)
         self.transport.set_waiting(self.worker_idx, True)

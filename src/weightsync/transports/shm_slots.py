@@ -2,7 +2,8 @@
 
 The control block is one small shared segment of int64 words: a magic, the newest
 version's target, a closed flag, the previous newest target (a whole version kept intact
-while the next one is packed), per worker its target (version and slot), a flag "blocked
+while the next one is packed), a ring word that workers blocked in ``receive()`` sleep on
+(``futex``), per worker its target (version and slot), a flag "blocked
 in receive()" and the version it last applied, and per slot how many of its bytes are
 packed. Each slot is one full packed copy of the weights (a memfd segment on the CPU, a
 CUDA buffer shared by IPC on a GPU). A byte-range ``fcntl`` lock per slot, in the control
@@ -37,6 +38,7 @@ from weightsync.transports.cuda_ipc import (
     share_cuda_buffer,
     take_back,
 )
+from weightsync.transports.futex import FutexWord
 from weightsync.transports.local_channel import Message
 from weightsync.transports.memfd import Segment
 from weightsync.transports.pack_pieces import PiecePlan
@@ -45,7 +47,7 @@ _MAGIC = 0x5753594E43  # "WSYNC"
 _SLOT_SPACE = 1024  # a target packs (version, slot) as version * _SLOT_SPACE + slot
 _MAX_WORKERS = 1024
 _HEADER_WORDS = 8
-_IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED, _IDX_PREVIOUS = 0, 1, 2, 3
+_IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED, _IDX_PREVIOUS, _IDX_RING = 0, 1, 2, 3, 4
 _LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
 _WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
 _APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
@@ -80,6 +82,12 @@ def _unlock(fd: int, slot: int) -> None:
     fcntl.lockf(fd, fcntl.LOCK_UN, 1, _LOCK_BASE + slot, 0)
 
 
+def _ring_of(control: Segment, ctrl: memoryview) -> FutexWord | None:
+    """The control block's ring word: raised (and its sleepers woken) at each publish."""
+    assert control.tensor is not None
+    return FutexWord.at(ctrl, _IDX_RING, control.tensor.data_ptr())
+
+
 @dataclass
 class _Slot:
     """One full copy of the weights: a buffer per device of the layout."""
@@ -106,6 +114,7 @@ class _SenderModel:
         self.ctrl[_IDX_MAGIC] = _MAGIC
         self.ctrl[_IDX_LATEST] = -1
         self.ctrl[_IDX_PREVIOUS] = -1
+        self.ring = _ring_of(self.control, self.ctrl)
         self.plan = PiecePlan(layout)
         self.views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
         for w in range(_MAX_WORKERS):
@@ -254,9 +263,11 @@ class _ReceiverModel:
         self.layout = layout
         self.control = Segment.attach(control_fd, _CONTROL_NBYTES, writable=True)
         self.ctrl = self.control.view_int64()
+        self.ring = _ring_of(self.control, self.ctrl)
         self.slots: dict[int, _Slot] = {}
         self.plan = PiecePlan(layout)
         self._views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
+        self._tensor_views: dict[int, dict[str, torch.Tensor]] = {}  # slot -> each tensor
         self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
         self._opened_bits = 0  # CUDA slots mapped here (their consumer count holds our one)
         self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
@@ -266,6 +277,13 @@ class _ReceiverModel:
         views = self._views.get(slot.index)
         if views is None:
             views = self._views[slot.index] = self.plan.buffer_views(slot.buffers)
+        return views
+
+    def tensors_of(self, slot: _Slot) -> dict[str, torch.Tensor]:
+        """Each tensor of the layout as a view into ``slot`` (made once per slot)."""
+        views = self._tensor_views.get(slot.index)
+        if views is None:
+            views = self._tensor_views[slot.index] = self.layout.tensor_views(slot.buffers)
         return views
 
     def add_slot(self, message: Message) -> None:
@@ -284,6 +302,7 @@ class _ReceiverModel:
                     self._opened_bits |= 1 << slot.index
         self.slots[slot.index] = slot
         self._views.pop(slot.index, None)
+        self._tensor_views.pop(slot.index, None)
 
     def record_opened(self, worker_idx: int) -> None:
         """Tell the sender, in the control block, which CUDA slots this worker holds open:
@@ -303,6 +322,7 @@ class _ReceiverModel:
     def close(self) -> None:
         self.forget_opened()
         self._views.clear()
+        self._tensor_views.clear()
         self.ctrl.release()
         for slot in self.slots.values():
             slot.close()
