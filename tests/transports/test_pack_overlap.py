@@ -17,6 +17,7 @@ import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.layout import Layout
+from weightsync.transports import multiprocess_streams
 from weightsync.transports.local_channel import Channel, ChannelClosed
 from weightsync.transports.multiprocess import as_bytes
 from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer
@@ -166,6 +167,13 @@ def read_frame_in_two(channel: Channel, nbytes: int, first_bytes_in: threading.E
         first_bytes_in.set()
 
 
+@pytest.fixture
+def socket_only(monkeypatch):
+    """Streamers that carry the bytes on the socket (where no page-mapping pipe can be
+    made): the tests below read the socket itself."""
+    monkeypatch.setattr(multiprocess_streams.PipeWriter, "open", classmethod(lambda cls: None))
+
+
 def streamer_pair():
     layout = Layout.from_weights(weights_at(0.0))
     pool = SnapshotPool(layout, 3)
@@ -179,7 +187,7 @@ def streamer_pair():
     return layout, pool, streamer, reader, first_bytes_in, got, failures, (ours, theirs)
 
 
-def test_a_streamer_writes_pieces_while_the_snapshot_is_packed():
+def test_a_streamer_writes_pieces_while_the_snapshot_is_packed(socket_only):
     layout, pool, streamer, reader, first_bytes_in, got, failures, ends = streamer_pair()
     original = PiecePlan.pack
 
@@ -209,7 +217,7 @@ def test_a_streamer_writes_pieces_while_the_snapshot_is_packed():
         end.close()
 
 
-def test_a_pack_that_fails_mid_stream_breaks_the_stream_and_keeps_the_old_snapshot():
+def test_a_pack_that_fails_mid_stream_breaks_the_stream_and_keeps_the_old_snapshot(socket_only):
     _, pool, streamer, reader, first_bytes_in, got, failures, ends = streamer_pair()
     pool.fill(weights_at(1.0), 1, Deadline(30))
     before = pool.latest
@@ -285,7 +293,7 @@ def count_frames(channel: Channel, frames: list[int]) -> None:
         return
 
 
-def test_an_offer_whose_pack_failed_is_dropped_not_replaced_by_a_resend():
+def test_an_offer_whose_pack_failed_is_dropped_not_replaced_by_a_resend(socket_only):
     layout = Layout.from_weights(weights_at(0.0))
     pool = SnapshotPool(layout, 3)
     ours, theirs = Channel.pair()

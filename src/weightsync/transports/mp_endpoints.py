@@ -3,12 +3,15 @@
 :class:`StreamWriter`: each version is packed once into a snapshot from a pool; one streamer
 thread per worker writes the newest snapshot to that worker's socket, so workers are served
 independently and a send waits only for the acks (which carry the version).
-:class:`StreamReader`: the worker's reader thread stages the bytes and acks them;
+:class:`StreamReader`: the worker's reader thread stages the bytes (from the trainer's pipe,
+or from the socket) and acks them;
 ``poll()`` copies the staged version into the model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -20,9 +23,10 @@ from weightsync.core.endpoints import Losses
 from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local_channel import Channel, Message
+from weightsync.transports.local_channel import Channel, ChannelClosed, Message
 from weightsync.transports.local_link import LocalLink
 from weightsync.transports.local_members import Members
+from weightsync.transports.mp_pipe import PipeReader
 from weightsync.transports.multiprocess import MPTransport
 from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer
 
@@ -94,6 +98,12 @@ class StreamWriter:
     def held_versions(self) -> dict[int, int]:
         return self.members.held_versions()
 
+    def transfer_paths(self) -> dict[int, str]:
+        """How each worker served so far gets its bytes: ``"pipe"`` (pages mapped into a
+        pipe, one copy) or ``"socket"`` (two copies; where no such pipe can be made)."""
+        with self._streamers_lock:
+            return {w: "pipe" if s.through_pipe else "socket" for w, s in self._streamers.items()}
+
     def _streamer(self, worker_idx: int, channel: Channel) -> Streamer:
         with self._streamers_lock:
             streamer = self._streamers.get(worker_idx)
@@ -144,16 +154,20 @@ class StreamReader:
         self.transport: MPTransport | None = None
         self._layout_arrived = threading.Event()
         self._acking = False  # acks start once connect() has checked and applied
+        self._pipe: PipeReader | None = None  # where the trainer maps the bytes, if it can
 
     def _on_message(self, message: Message, channel: Channel) -> bool:
         if self.transport is None:
             self.transport = MPTransport(channel, timeout=self.link.timeout)
         kind = message.header.get("t")
         if kind not in (LAYOUT, WEIGHTS):
+            for fd in message.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             return False
-        staged = self.transport.handle_message(
-            message, lambda view: channel.recv_payload_into(view, self.link.timeout)
-        )
+        if kind == LAYOUT:
+            self._take_pipe(message)
+        staged = self.transport.handle_message(message, self._reader_for(message, channel))
         if kind == LAYOUT:
             self._layout_arrived.set()
         if staged is not None:
@@ -162,6 +176,36 @@ class StreamReader:
             if self._acking:
                 self.link.ack(staged, timeout=self.link.timeout)
         return True
+
+    def _take_pipe(self, message: Message) -> None:
+        """The layout may come with the read end of the trainer's pipe for the bytes."""
+        fds = list(message.fds)
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+        if message.header.get("pipe") and fds:
+            self._pipe = PipeReader(fds.pop(0))
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _reader_for(self, message: Message, channel: Channel) -> Callable[[memoryview], None]:
+        """How the payload of ``message`` lands in a staging buffer: from the pipe and then
+        its trailer (without which nothing is staged), or from the socket."""
+        timeout = self.link.timeout
+        pipe = self._pipe
+        if "pipe_nbytes" not in message.header:
+            return lambda view: channel.recv_payload_into(view, timeout)
+        if pipe is None:
+            raise ChannelClosed("weights announced through a pipe the trainer never passed")
+        version = int(message.header["v"])
+
+        def read_pipe(view: memoryview) -> None:
+            deadline = Deadline(timeout)
+            pipe.read_into(view, deadline)
+            pipe.read_commit(version, deadline)
+
+        return read_pipe
 
     def open(self, local: Layout | None, deadline: Deadline) -> None:
         self.link.open(deadline, self._on_message)
@@ -202,4 +246,9 @@ class StreamReader:
         self.link.ack(max(version, self.link.delivered), timeout=10.0)
 
     def close(self, dest: dict[str, torch.Tensor] | None) -> None:
+        pipe = self._pipe
+        if pipe is not None:
+            pipe.cancelled = True  # a read in the reader thread gives up within a tick
         self.link.close()
+        if pipe is not None:
+            pipe.close()

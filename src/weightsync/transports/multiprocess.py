@@ -80,9 +80,10 @@ class Snapshot:
     def complete(self) -> bool:
         return self.packed == self.layout.nbytes and not self.failed
 
-    def pieces(self, deadline: Deadline) -> Iterator[memoryview]:
-        """The payload, each piece as soon as it is packed (every yielded byte is final)."""
-        data, sent, total = as_bytes(self.buffer), 0, self.layout.nbytes
+    def spans(self, deadline: Deadline) -> Iterator[tuple[int, int]]:
+        """Byte ranges ``[lo, hi)`` of the payload, each as soon as it is packed (every
+        byte in a yielded range is final)."""
+        sent, total = 0, self.layout.nbytes
         while sent < total:
             with self._progress:
                 while self.packed <= sent and not self.failed:
@@ -92,8 +93,14 @@ class Snapshot:
                 if self.failed:
                     raise PackAbandoned(f"the pack of version {self.version} failed mid-way")
                 mark = self.packed
-            yield data[sent:mark]
+            yield sent, mark
             sent = mark
+
+    def pieces(self, deadline: Deadline) -> Iterator[memoryview]:
+        """The payload, each piece as soon as it is packed (every yielded byte is final)."""
+        data = as_bytes(self.buffer)
+        for lo, hi in self.spans(deadline):
+            yield data[lo:hi]
 
     def header(self) -> dict[str, Any]:
         return {"t": "mp.weights", "v": self.version, "fingerprint": self.layout.fingerprint}
@@ -113,9 +120,11 @@ class Staging(StagingBuffers):
                 f"weights for layout {header.get('fingerprint')} arrived, expected "
                 f"{self.layout.fingerprint}"
             )
-        if message.payload_nbytes != self.layout.nbytes:
+        # bytes that come through a pipe beside the socket are announced in the header
+        announced = header.get("pipe_nbytes", message.payload_nbytes)
+        if announced != self.layout.nbytes:
             raise IntegrityError(
-                f"version {header.get('v')}: {message.payload_nbytes} bytes announced, the layout "
+                f"version {header.get('v')}: {announced} bytes announced, the layout "
                 f"needs {self.layout.nbytes}"
             )
         return self.fill(int(header["v"]), lambda buffers: read_into(as_bytes(buffers["cpu"])))

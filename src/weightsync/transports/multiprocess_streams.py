@@ -6,11 +6,19 @@ nobody else, and no lock is held across a transfer. A version is offered as soon
 pack begins, and a streamer writes each piece the moment it is packed, so the pack and
 the transfers overlap. A snapshot is never rewritten while a streamer reads it; the pool
 grows (up to a cap) instead of waiting for a slow reader.
+
+On Linux the bytes go through a pipe per worker that maps the snapshot's pages instead of
+copying them (see ``mp_pipe``): the worker's read is the only copy, where the socket makes
+two, which leaves the trainer's core to the pack. The socket carries the headers, and the
+bytes too where no such pipe can be made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable, Mapping
 
@@ -20,6 +28,7 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout
+from weightsync.transports.mp_pipe import MIN_PAYLOAD_BYTES, PipeWriter
 from weightsync.transports.multiprocess import Snapshot, as_bytes
 
 logger = logging.getLogger(__name__)
@@ -121,11 +130,17 @@ class Streamer:
         self._deadline: Deadline | None = None
         self._sent_version = -1
         self._sent_layout = False
+        self._pipe: PipeWriter | None = None  # the worker's page-mapping pipe, if it has one
         self._stop = False
         self._thread = threading.Thread(
             target=self._run, name=f"weightsync-stream-{worker_idx}", daemon=True
         )
         self._thread.start()
+
+    @property
+    def through_pipe(self) -> bool:
+        """Whether this worker's bytes go through a page-mapping pipe (else the socket)."""
+        return self._pipe is not None
 
     def offer(self, version: int, deadline: Deadline | None = None) -> None:
         """Ask for ``version`` (the pool's newest) to be sent by ``deadline``."""
@@ -139,10 +154,19 @@ class Streamer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if self._pipe is not None:
+            self._pipe.cancelled = True  # a write waiting on a stopped worker gives up
         if self._thread is not threading.current_thread():
             self._thread.join(1.0)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._pipe is not None:
+                self._pipe.close()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and self._wanted_version <= self._sent_version:
@@ -174,16 +198,56 @@ class Streamer:
 
     def _stream(self, snapshot: Snapshot, deadline: Deadline) -> None:
         if not self._sent_layout:
-            self.channel.send({"t": "mp.layout", "layout": snapshot.layout.to_dict()},
-                              timeout=deadline.slice(10.0))
-            self._sent_layout = True
+            self._send_layout(snapshot.layout, deadline)
         # a deadline that passed while we were busy with an older version still leaves
         # this transfer a short grace, so a healthy worker is never dropped for it
         timeout = max(deadline.remaining() or 0.0, 1.0) if deadline.timeout is not None else None
-        if snapshot.complete:
+        if self._pipe is not None:
+            self._stream_through_pipe(self._pipe, snapshot, Deadline(timeout))
+        elif snapshot.complete:
             self.channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=timeout)
         else:  # still being packed: write each piece as soon as it is packed
             self.channel.send_stream(snapshot.header(), snapshot.layout.nbytes,
                                      snapshot.pieces(Deadline(timeout)), timeout=timeout)
         with self._cond:
             self._sent_version = max(self._sent_version, snapshot.version)
+
+    def _send_layout(self, layout: Layout, deadline: Deadline) -> None:
+        """The layout, with the read end of a page-mapping pipe where one can be made."""
+        header = {"t": "mp.layout", "layout": layout.to_dict()}
+        opened = PipeWriter.open() if layout.nbytes >= MIN_PAYLOAD_BYTES else None
+        if opened is None:
+            self.channel.send(header, timeout=deadline.slice(10.0))
+        else:
+            pipe, read_fd = opened
+            try:
+                self.channel.send(header | {"pipe": True}, fds=[read_fd],
+                                  timeout=deadline.slice(10.0))
+            except BaseException:
+                pipe.close()
+                raise
+            finally:
+                os.close(read_fd)
+            self._pipe = pipe
+        self._sent_layout = True
+
+    def _stream_through_pipe(self, pipe: PipeWriter, snapshot: Snapshot,
+                             deadline: Deadline) -> None:
+        """The header on the socket, the bytes through the pipe (each piece as soon as it
+        is packed), then the trailer once the worker read them all. A transfer cut off
+        breaks the socket and the pipe before the snapshot can be reused, so the worker
+        never stages bytes the trainer let go of."""
+        nbytes = snapshot.layout.nbytes
+        self.channel.send(snapshot.header() | {"pipe_nbytes": nbytes},
+                          timeout=deadline.remaining())
+        try:
+            base = snapshot.buffer.data_ptr()
+            for lo, hi in snapshot.spans(deadline):
+                pipe.write(base + lo, hi - lo, deadline)
+            pipe.commit(snapshot.version, deadline)
+        except BaseException:
+            pipe.close()
+            self._pipe = None
+            with contextlib.suppress(OSError):
+                self.channel.socket.shutdown(socket.SHUT_RDWR)
+            raise

@@ -2,10 +2,10 @@
 
 :class:`SharedMemWriter`: workers admitted by the hub (``local_members.py``) are attached to
 the shared slots; a version is published by one packed write into a free slot, and that
-is delivery: a worker's next ``poll()`` takes it. Only workers blocked in ``receive()``
-are woken, all at once, through the control block's ring word (``futex``). :class:`SharedMemReader`:
-copies the newest slot into the model, or (zero-copy) points the model's tensors at
-read-only views of it.
+is delivery: a worker's next ``poll()`` takes it. Workers blocked in ``receive()`` are
+woken all at once through the control block's ring word (``futex``).
+:class:`SharedMemReader`: copies the newest slot into the model, or (zero-copy) points the
+model's tensors at read-only views of it.
 """
 
 from __future__ import annotations
