@@ -4,17 +4,19 @@ real worker processes, beside floors measured in the same run, in human units.""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 
-from weightsync.bench.floors import copy_times, socket_times, wake_times
+from weightsync.bench.floors import copy_times, pipe_times, socket_times, wake_times
 from weightsync.bench.local import bench_local, make_model, run_bench, supports_zero_copy
 from weightsync.bench.plot import COLOURS, transport_of, write_plot
 from weightsync.bench.rows import format_table, make_row
 from weightsync.cli import main
 from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
 from weightsync.transports.futex import supported
+from weightsync.transports.mp_pipe import PipeWriter
 
 
 def test_model_has_the_asked_size_in_layers():
@@ -119,3 +121,16 @@ def test_receive_loop_notes_the_wake_floor_measured_in_the_same_run():
     assert len(wake) == 1 and "1: " in wake[0] and "2: " in wake[0], notes
     samples = wake_times(2, repeats=3)
     assert samples is not None and len(samples) == 3 and all(0 < t < 5 for t in samples)
+
+
+def test_pipe_floor_times_each_transfer_where_such_a_pipe_exists():
+    """The "bare page-mapping pipe" floor: what MultiProcess's large versions travel
+    through, timed alone (None where the platform has no such pipe)."""
+    samples = pipe_times(20_000_000, repeats=3)
+    opened = PipeWriter.open()
+    if opened is None:
+        assert samples is None
+        return
+    opened[0].close()
+    os.close(opened[1])
+    assert samples is not None and len(samples) == 3 and all(t > 0 for t in samples)

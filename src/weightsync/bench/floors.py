@@ -1,5 +1,6 @@
 """What the machine itself costs, measured in the same run as the transports: one memcpy
-(one device-to-device copy on a GPU), one bare Unix-socket transfer, and waking processes
+(one device-to-device copy on a GPU), one bare Unix-socket transfer, one bare transfer
+through a page-mapping pipe, and waking processes
 blocked in a wait (what a worker blocked in ``receive()`` costs before it does anything)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import contextlib
 import ctypes
 import mmap
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import time
@@ -79,6 +81,55 @@ def socket_times(nbytes: int, repeats: int = 5) -> list[float]:
             reader.kill()
             reader.join(5)
     return times[1:]  # the first transfer grows the socket buffers
+
+
+def _pipe_reader(read_fd: int, ack_fd: int, nbytes: int, rounds: int) -> None:
+    from weightsync.core.deadline import Deadline
+    from weightsync.transports.mp_pipe import PipeReader
+
+    pipe, buffer = PipeReader(read_fd), memoryview(bytearray(nbytes))
+    for version in range(rounds):
+        pipe.read_into(buffer, Deadline(60.0))
+        pipe.read_commit(version, Deadline(60.0))
+        os.write(ack_fd, b"k")
+
+
+def pipe_times(nbytes: int, repeats: int = 5) -> list[float] | None:
+    """Seconds of each move of ``nbytes`` into another process's buffer through a pipe that
+    maps the sender's pages (``vmsplice``, then a trailer once drained): MultiProcess's
+    data path for large versions, with no framing, snapshot or apply. None where such a
+    pipe cannot be made here."""
+    from weightsync.core.deadline import Deadline
+    from weightsync.transports.mp_pipe import PipeWriter
+
+    opened = PipeWriter.open()
+    if opened is None:
+        return None
+    pipe, read_fd = opened
+    ack_read, ack_write = os.pipe()
+    reader = mp.get_context("fork").Process(
+        target=_pipe_reader, args=(read_fd, ack_write, nbytes, repeats + 1), daemon=True)
+    reader.start()
+    os.close(read_fd)
+    os.close(ack_write)
+    payload = torch.ones(nbytes, dtype=torch.uint8)
+    times = []
+    try:
+        for version in range(repeats + 1):
+            t0 = time.perf_counter()
+            pipe.write(payload.data_ptr(), nbytes, Deadline(60.0))
+            pipe.commit(version, Deadline(60.0))
+            if os.read(ack_read, 1) != b"k":
+                break
+            times.append(time.perf_counter() - t0)
+    finally:
+        pipe.close()
+        os.close(ack_read)
+        reader.join(30)
+        if reader.is_alive():
+            reader.kill()
+            reader.join(5)
+    return times[1:] if len(times) == repeats + 1 else None
 
 
 _STOP = 0  # word 0 of the wake floor's shared page: 1 tells the sleepers to leave

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.floors import memcpy_floor, socket_times, wake_times
+from weightsync.bench.floors import memcpy_floor, pipe_times, socket_times, wake_times
 from weightsync.bench.rows import BenchRow, make_row
+from weightsync.transports.mp_pipe import MIN_PAYLOAD_BYTES
 from weightsync.units import format_duration
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,11 @@ def run_bench(
                 samples = socket_times(nbytes, repeats=max(5, min(repeats, 20)))
                 rows.append(make_row("mp floor: bare Unix-socket transfer", size, nbytes, 1,
                                      samples, floor))
+                piped = (pipe_times(nbytes, repeats=max(5, min(repeats, 20)))
+                         if nbytes >= MIN_PAYLOAD_BYTES else None)  # large versions' path
+                if piped:
+                    rows.append(make_row("mp floor: bare page-mapping pipe transfer", size,
+                                         nbytes, 1, piped, floor))
     return rows
 
 
