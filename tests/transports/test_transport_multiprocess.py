@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import select
 import signal
 import time
 
@@ -275,3 +276,47 @@ def test_closed_senders_leave_no_pipe_open(workers):
         workers.procs[0].join(30)
         counts.append(_lone_pipe_ends())
     assert counts[-1] <= counts[0], f"open pipes grew over the cycles: {counts}"
+
+
+def _write_fork_then_die(writer: PipeWriter, data: torch.Tensor, nbytes: int,
+                         pid_fd: int) -> None:
+    """A trainer that maps part of a payload, forks a child that keeps the pipe open (and
+    lives on), then dies: end-of-file never comes."""
+    writer.write(data.data_ptr(), nbytes, Deadline(20))
+    keeper = os.fork()
+    if keeper == 0:
+        time.sleep(120)
+        os._exit(0)
+    os.write(pid_fd, keeper.to_bytes(8, "little"))  # synchronous, unlike a Queue
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_dead_trainer_whose_fork_keeps_the_pipe_ends_the_read_within_ticks():
+    from weightsync.core.liveness import process_dying
+
+    opened = PipeWriter.open()
+    if opened is None:
+        pytest.skip("no page-mapping pipes on this platform")
+    writer, read_fd = opened
+    nbytes = 2 * mp_pipe.PIPE_BYTES
+    data = _payload(nbytes, 3)
+    pid_read, pid_write = os.pipe()
+    trainer = mp.get_context("fork").Process(
+        target=_write_fork_then_die, args=(writer, data, nbytes // 8, pid_write), daemon=True)
+    trainer.start()
+    writer.close()
+    os.close(pid_write)
+    assert select.select([pid_read], [], [], 30)[0], "the trainer never forked its keeper"
+    keeper = int.from_bytes(os.read(pid_read, 8), "little")
+    os.close(pid_read)
+    reader = PipeReader(read_fd, lambda: not process_dying(trainer.pid))
+    try:
+        into = torch.zeros(nbytes, dtype=torch.uint8)
+        started = time.monotonic()
+        with pytest.raises(ChannelClosed, match="trainer died"):
+            reader.read_into(memoryview(into.numpy()), Deadline(60))
+        assert time.monotonic() - started < 30, "waited for the deadline, not the trainer"
+    finally:
+        reader.close()
+        os.kill(keeper, signal.SIGKILL)
+        trainer.join(20)

@@ -187,6 +187,12 @@ class LocalLink:
             with contextlib.suppress(ChannelClosed, ChannelTimeout):
                 self.channel.send({"t": MISMATCH, "error": error}, timeout=1.0)
 
+    def sender_alive(self) -> bool:
+        """Whether the trainer's process is alive (one ``pread`` of its /proc entry): for a
+        read that a forked child of a dead trainer could keep open."""
+        watch = self._sender_watch
+        return watch is None or not watch.dying()
+
     def check_connected(self) -> None:
         if self.channel is None:
             raise RuntimeError(f"worker {self.worker_idx}: call connect() first")

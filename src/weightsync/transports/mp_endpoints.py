@@ -184,7 +184,7 @@ class StreamReader:
             self._pipe.close()
             self._pipe = None
         if message.header.get("pipe") and fds:
-            self._pipe = PipeReader(fds.pop(0))
+            self._pipe = PipeReader(fds.pop(0), self.link.sender_alive)
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -183,10 +183,13 @@ class PipeWriter:
 class PipeReader:
     """A worker's end of its pipe: payloads read straight into staging, then the trailer."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, sender_alive: Callable[[], bool] | None = None) -> None:
         os.set_blocking(fd, False)
         self.fd = fd
         self.cancelled = False
+        #: looked at each tick of a blocked read: a dead trainer's forked child may keep
+        #: the write end open, so end-of-file alone would not tell
+        self._sender_alive = sender_alive
 
     def read_into(self, view: memoryview, deadline: Deadline) -> None:
         """Fill ``view`` from the pipe; ChannelClosed if the trainer's end closed first."""
@@ -196,6 +199,8 @@ class PipeReader:
             except BlockingIOError:
                 if self.cancelled:
                     raise ChannelClosed("the worker is closing") from None
+                if self._sender_alive is not None and not self._sender_alive():
+                    raise ChannelClosed("the trainer died mid-transfer") from None
                 if deadline.expired():
                     raise ChannelTimeout(f"the trainer's bytes stopped for {deadline}") from None
                 _poll(self.fd, select.POLLIN, deadline.slice(_TICK))
