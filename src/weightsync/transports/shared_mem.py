@@ -99,7 +99,7 @@ class SharedMemTransport:
             self._channels[worker_idx] = channel
             for model_id, model in self._models.items():
                 model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
-                self._announce(model_id, model, channel)
+                model.announce(model_id, channel)
                 if at_latest:
                     model.set_target(worker_idx, model.ctrl[_IDX_LATEST])
 
@@ -111,15 +111,6 @@ class SharedMemTransport:
                 model.set_target(worker_idx, -1)
                 model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
                 model.take_back_opened(worker_idx)  # a dead CUDA worker's slots
-
-    def _announce(self, model_id: str, model: _SenderModel, channel: Channel) -> None:
-        header = {
-            "t": "shm.model", "model_id": model_id, "layout": model.layout.to_dict(),
-        }
-        channel.send(header, fds=[model.control.fd], timeout=10.0)
-        for slot in model.slots:
-            slot_header, fds = model.slot_message(slot, model_id)
-            channel.send(slot_header, fds=fds, timeout=10.0)
 
     def register_weights(self, model_id: str, weights: Any) -> None:
         """Create the shared slots for ``model_id`` from ``weights`` and publish them as its
@@ -138,7 +129,7 @@ class SharedMemTransport:
         model.new_slot()
         self._models[model_id] = model
         for channel in self._channels.values():
-            self._announce(model_id, model, channel)
+            model.announce(model_id, channel)
         return model
 
     @staticmethod

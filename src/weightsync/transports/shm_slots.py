@@ -39,7 +39,7 @@ from weightsync.transports.cuda_ipc import (
     take_back,
 )
 from weightsync.transports.futex import FutexWord
-from weightsync.transports.local_channel import Message
+from weightsync.transports.local_channel import Channel, Message
 from weightsync.transports.memfd import Segment
 from weightsync.transports.pack_pieces import PiecePlan
 
@@ -138,6 +138,14 @@ class _SenderModel:
                 slot.buffers[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.slots.append(slot)
         return slot
+
+    def announce(self, model_id: str, channel: Channel) -> None:
+        """Pass a worker the control block and every slot of this model (their fds)."""
+        header = {"t": "shm.model", "model_id": model_id, "layout": self.layout.to_dict()}
+        channel.send(header, fds=[self.control.fd], timeout=10.0)
+        for slot in self.slots:
+            slot_header, fds = self.slot_message(slot, model_id)
+            channel.send(slot_header, fds=fds, timeout=10.0)
 
     def slot_message(self, slot: _Slot, model_id: str) -> tuple[dict[str, Any], list[int]]:
         devices = {d: (None if d == "cpu" else share_cuda_buffer(b)) for d, b in slot.buffers.items()}
