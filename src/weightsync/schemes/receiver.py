@@ -68,9 +68,10 @@ class WeightReceiver(Closable):
         return self._version
 
     def _destination(self) -> dict[str, torch.Tensor]:
-        """The model's tensors as they are now. Resolved again at each apply, so a model
-        changed after ``register_model`` (``load_state_dict(assign=True)``, a replaced
-        submodule) receives the weights instead of tensors it no longer uses."""
+        """The model's tensors as they are now. Resolved again at each ``poll()`` that
+        applies and at the start of each ``receive()``, so a model changed after
+        ``register_model`` (``load_state_dict(assign=True)``, a replaced submodule) receives
+        the weights instead of tensors it no longer uses."""
         if self._dest is None:
             raise RuntimeError(
                 f"worker {self.worker_idx}: call register_model(model) before connect()"
