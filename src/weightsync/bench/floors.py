@@ -13,9 +13,19 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+
+def join_or_kill(procs: Sequence[Any], timeout: float) -> None:
+    """Wait up to ``timeout`` for each process to end; kill those that do not."""
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def copy_times(nbytes: int, repeats: int = 5, device: str = "cpu") -> list[float]:
@@ -76,10 +86,7 @@ def socket_times(nbytes: int, repeats: int = 5) -> list[float]:
     finally:
         ours.close()
         theirs.close()
-        reader.join(30)
-        if reader.is_alive():
-            reader.kill()
-            reader.join(5)
+        join_or_kill([reader], 30)
     return times[1:]  # the first transfer grows the socket buffers
 
 
@@ -125,10 +132,7 @@ def pipe_times(nbytes: int, repeats: int = 5) -> list[float] | None:
     finally:
         pipe.close()
         os.close(ack_read)
-        reader.join(30)
-        if reader.is_alive():
-            reader.kill()
-            reader.join(5)
+        join_or_kill([reader], 30)
     return times[1:] if len(times) == repeats + 1 else None
 
 
@@ -186,11 +190,7 @@ def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005) -> list[f
     finally:
         words[_STOP] = 1
         ring.raise_and_wake()
-        for p in sleepers:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_or_kill(sleepers, 5)
         del ring  # its view of the page, then ours: the page can then be unmapped
         words.release()
         with contextlib.suppress(BufferError):

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.floors import memcpy_floor, pipe_times, socket_times, wake_times
+from weightsync.bench.floors import (
+    join_or_kill,
+    memcpy_floor,
+    pipe_times,
+    socket_times,
+    wake_times,
+)
 from weightsync.bench.rows import BenchRow, make_row
 from weightsync.transports.mp_pipe import MIN_PAYLOAD_BYTES
 from weightsync.units import format_duration
@@ -164,11 +170,7 @@ def bench_local(transport: str, nbytes: int, workers: int, repeats: int, floor: 
 
 def _stop_workers(stop: Any, procs: Sequence[Any]) -> None:
     stop.set()
-    for p in procs:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    join_or_kill(procs, 30)
 
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:

@@ -85,13 +85,10 @@ class FutexWord:
     def raise_and_wake(self) -> None:
         """Change the word and wake every process sleeping on it (trainer side)."""
         self._words[self._index] = (self._words[self._index] + 1) & _VALUE_MASK
-        self._wake_all()
+        self.wake()
 
     def wake(self) -> None:
         """Wake every sleeper without changing the word (each looks again, then sleeps)."""
-        self._wake_all()
-
-    def _wake_all(self) -> None:
         self._call(self._number, self._address, _long(_FUTEX_WAKE), _long(_WAKE_ALL),
                    None, None, _long(0))
 

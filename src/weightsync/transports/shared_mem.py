@@ -202,13 +202,11 @@ class SharedMemTransport:
             slot = model.acquire_free_slot(list(self._channels), deadline, model_id,
                                            lambda new: self._announce_slot(model_id, model, new, deadline))
             model.write(flat, slot, ids, version, lambda: self._wake_waiting(model, ids, version))
-            if model.plan.in_pieces and model.ring is not None:
-                model.ring.raise_and_wake()  # a zero-copy worker waits for the whole version
 
     def _wake_waiting(self, model: _SenderModel, worker_ids: list[int], version: int) -> None:
-        """Wake the targets blocked in ``receive()`` (for a large model before the pack, so a
-        copying worker follows it): all at once through the control block's ring word, or
-        where there is no futex, a notice to each (its flag lowered so it gets just one)."""
+        """Wake the targets blocked in ``receive()`` (after the pack; for a large model also
+        before it): all at once through the control block's ring word, or where there is no
+        futex, a notice to each that is waiting now (its flag lowered until it waits again)."""
         if model.ring is not None:
             model.ring.raise_and_wake()
             return

@@ -173,8 +173,9 @@ class _SenderModel:
     ) -> None:
         """Publish ``version`` in ``slot`` (held with the exclusive lock, which is let go
         here) and pack ``flat`` into it piece by piece. ``on_published`` (wake the workers
-        blocked in ``receive()``) runs before the pack when readers can follow it piece by
-        piece, else right after it (their wake-up would only compete with a short pack). If
+        blocked in ``receive()``) runs right after the pack (a wake-up before a short pack
+        would only compete with it), and also before it when readers can follow it piece by
+        piece (a copying worker follows the pack; a zero-copy one waits for its end). If
         the pack fails, every target goes back to what it was (whole versions) and the error
         is raised: workers that followed part of it restore a whole version themselves."""
         ctrl, packed_word = self.ctrl, _PACKED_BASE + slot.index
@@ -211,8 +212,7 @@ class _SenderModel:
             ctrl[packed_word] = _PACK_FAILED
             raise
         self.version = version
-        if not self.plan.in_pieces:
-            on_published()
+        on_published()
 
     def acquire_free_slot(self, worker_ids: list[int], deadline: Deadline, model_id: str,
                           announce: Callable[[_Slot], None]) -> _Slot:
