@@ -315,10 +315,11 @@ def test_mismatched_receiver_fails_at_connect(scheme_cls, workers):
     workers.start(mismatched_worker, scheme, 0)
     sender = scheme.create_sender()
     sender.register_model(make_model())
-    with pytest.raises(ws.SchemaMismatchError, match="worker 0"):
+    with pytest.raises(ws.SchemaMismatchError, match="worker 0") as info:
         sender.connect(timeout=30)
     (event, _idx, key, message), = drain(workers.out, 1)
     assert event == "mismatch" and key is not None and key in message
+    assert repr(key) in str(info.value)  # the trainer is told which key, and both shapes
     sender.close()
 
 

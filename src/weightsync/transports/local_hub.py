@@ -3,7 +3,9 @@
 The hub listens at the scheme's address, authenticates each connection without ever
 blocking on it (peer credentials first, then a challenge-response read one frame at a
 time from a poll loop), and hands authenticated workers to its owner, the sender. It then
-reads the workers' small control messages (acks, goodbyes) and reports hang-ups.
+reads the workers' small control messages (acks, mismatches, goodbyes) and reports
+hang-ups; it is their only reader, except for a thread that found a worker lost and reads
+what is left under the same lock.
 
 The hub holds its owner through a weak reference: a sender that is dropped without
 ``close()`` is collected, and its ``__del__`` stops the hub. If the hub thread fails, the
@@ -88,6 +90,10 @@ class Hub:
         self._listener = ChannelListener(address)
         self._wake_r, self._wake_w = os.pipe()
         self._handshakes: dict[int, _Handshake] = {}
+        #: held while a worker's message is read and handed to the owner; another thread
+        #: that finds a worker lost takes it to read what the worker sent before (a
+        #: mismatch, a goodbye) instead of dropping it with the connection
+        self.read_lock = threading.RLock()
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="weightsync-hub", daemon=True)
@@ -231,12 +237,22 @@ class Hub:
         owner = self._owner_ref()
         if owner is None:
             return
-        try:
-            message = channel.recv(timeout=5.0, max_payload=0)
-        except (ChannelClosed, ChannelTimeout) as exc:
-            owner.on_hangup(idx, channel, str(exc))
-            return
-        for fd in message.fds:  # workers pass no descriptors: never keep one
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        owner.on_message(idx, channel, message)
+        with self.read_lock:  # a message read here is handed over before any loss is taken
+            if channel.closed:
+                return  # lost meanwhile: whoever found the loss read what was left
+            try:
+                message = channel.recv(timeout=5.0, max_payload=0)
+            except (ChannelClosed, ChannelTimeout) as exc:
+                hangup = str(exc)
+            else:
+                close_passed_fds(message)
+                owner.on_message(idx, channel, message)
+                return
+        owner.on_hangup(idx, channel, hangup)
+
+
+def close_passed_fds(message: Message) -> None:
+    """Workers pass no descriptors: never keep one."""
+    for fd in message.fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -16,7 +16,12 @@ import threading
 from collections.abc import Callable
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import SenderLostError, WeightSyncError, WeightSyncTimeoutError
+from weightsync.core.errors import (
+    SchemaMismatchError,
+    SenderLostError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from weightsync.core.liveness import ProcessWatch, is_same_or_descendant
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local_address import connect_channel
@@ -182,10 +187,16 @@ class LocalLink:
         with contextlib.suppress(ChannelClosed, ChannelTimeout):
             self.channel.send({"t": ACK, "v": version}, timeout=timeout)
 
-    def report_mismatch(self, error: str) -> None:
-        if self.channel is not None:
-            with contextlib.suppress(ChannelClosed, ChannelTimeout):
-                self.channel.send({"t": MISMATCH, "error": error}, timeout=1.0)
+    def report_mismatch(self, error: SchemaMismatchError | str) -> None:
+        """Tell the trainer this worker refuses the weights, and on which key (sent before
+        the worker hangs up: the trainer reads it before taking the hang-up)."""
+        if self.channel is None:
+            return
+        header: dict[str, object] = {"t": MISMATCH, "error": str(error)}
+        if isinstance(error, SchemaMismatchError):
+            header |= {name: _plain(getattr(error, name)) for name in ("key", "expected", "got")}
+        with contextlib.suppress(ChannelClosed, ChannelTimeout):
+            self.channel.send(header, timeout=1.0)
 
     def sender_alive(self) -> bool:
         """Whether the trainer's process is alive (one ``pread`` of its /proc entry): for a
@@ -225,3 +236,8 @@ class LocalLink:
             self._reader.join(5.0)
         if self._sender_watch is not None:
             self._sender_watch.close()
+
+
+def _plain(value: object) -> str | None:
+    """A mismatch's detail as the frame's JSON carries it."""
+    return None if value is None else str(value)[:500]

@@ -34,13 +34,18 @@ from weightsync.transports.local_channel import (
     Message,
     hung_up,
 )
-from weightsync.transports.local_hub import HUB_TICK, Hub
+from weightsync.transports.local_hub import HUB_TICK, Hub, close_passed_fds
 
 logger = logging.getLogger(__name__)
 
 #: control messages of the same-host protocol (the "t" field of a frame's header)
 WELCOME, REFUSED, ACK, MISMATCH, BYE, CLOSE, VERSION = (
     "welcome", "refused", "ack", "mismatch", "bye", "close", "version")
+
+#: at most this many messages are read from a lost worker's connection, each given this
+#: long to arrive whole once it began
+_MAX_LEFT_MESSAGES = 64
+_LEFT_MESSAGE_TIMEOUT = 0.5
 
 JoinEvent = Callable[[int, Channel], None]
 LostEvent = Callable[[int], None]
@@ -63,6 +68,7 @@ class Members:
         self._why: dict[int, str] = {}
         self._watches: dict[int, ProcessWatch] = {}
         self._goodbyes: set[int] = set()
+        self._mismatches: dict[int, dict[str, str]] = {}  # key/expected/got a worker named
         # binds the address now (a second open sender of the scheme is refused at once);
         # its thread starts with start(), so workers wait in the listen queue until then
         self.hub = Hub(address, token, uid, self)
@@ -85,26 +91,30 @@ class Members:
             self._join(int(hello["worker_idx"]), channel, peer.pid, welcome_proof)
 
     def on_message(self, worker_idx: int, channel: Channel, message: Message) -> None:
-        kind = message.header.get("t")
         with self.cond:
             if self._channels.get(worker_idx) is not channel:
                 return
-            state = self.table.workers[worker_idx]
-            if kind == ACK:
-                version = message.header.get("v")
-                if isinstance(version, int):
-                    state.version = max(state.version, version)
-            elif kind == MISMATCH:
-                state.error = self._why[worker_idx] = str(message.header.get("error"))[:2000]
-            elif kind == BYE:
-                self._goodbyes.add(worker_idx)
+            self._record(worker_idx, message)
             self.cond.notify_all()
 
+    def _record(self, worker_idx: int, message: Message) -> None:
+        """Take a worker's control message into the table (under cond)."""
+        kind = message.header.get("t")
+        state = self.table.workers[worker_idx]
+        if kind == ACK:
+            version = message.header.get("v")
+            if isinstance(version, int):
+                state.version = max(state.version, version)
+        elif kind == MISMATCH:
+            state.error = self._why[worker_idx] = str(message.header.get("error"))[:2000]
+            self._mismatches[worker_idx] = {
+                name: str(value)[:500] for name in ("key", "expected", "got")
+                if isinstance(value := message.header.get(name), str)}
+        elif kind == BYE:
+            self._goodbyes.add(worker_idx)
+
     def on_hangup(self, worker_idx: int, channel: Channel, why: str) -> None:
-        if worker_idx in self._goodbyes:
-            self.mark_lost(worker_idx, channel, "closed its receiver", goodbye=True)
-        else:
-            self.mark_lost(worker_idx, channel, f"connection closed ({why}); did the process die?")
+        self.mark_lost(worker_idx, channel, f"connection closed ({why}); did the process die?")
 
     def _join(self, idx: int, channel: Channel, pid: int, welcome_proof: str) -> None:
         with self.cond:
@@ -116,6 +126,7 @@ class Members:
             state.pid, state.version = pid, NO_VERSION
             self._why.pop(idx, None)
             self._goodbyes.discard(idx)
+            self._mismatches.pop(idx, None)
             self._channels[idx] = channel
             self._watch(idx, pid)
             self.cond.notify_all()
@@ -143,21 +154,49 @@ class Members:
                 return {"kind": "index", "error": f"worker {idx} is already connected (pid {pid})"}
         return None
 
-    def mark_lost(self, idx: int, channel: Channel, why: str, *, goodbye: bool = False) -> None:
-        """Worker ``idx`` (on ``channel``; a newer channel is left alone) is gone: say why."""
-        with self.cond:
-            if self._channels.get(idx) is not channel:
-                return
-            del self._channels[idx]
-            self._watch(idx, None)
-            state = self.table.workers[idx]
-            state.connected, state.lost = False, True
-            self._why[idx] = why
-            self.cond.notify_all()
+    def mark_lost(self, idx: int, channel: Channel, why: str) -> None:
+        """Worker ``idx`` (on ``channel``; a newer channel is left alone) is gone: say why.
+
+        Whoever finds the loss (the hub at a hang-up, a streamer whose write failed, a
+        look for dead workers) first reads what the worker sent before it: a worker that
+        reports a mismatch and closes is refused for the mismatch, and one that said
+        goodbye has left, not died, whichever thread notices first."""
+        with self.hub.read_lock:  # the hub reads nothing from this channel meanwhile
+            with self.cond:
+                if self._channels.get(idx) is not channel:
+                    return
+            self._read_left(idx, channel)
+            with self.cond:
+                if self._channels.get(idx) is not channel:
+                    return
+                goodbye = idx in self._goodbyes
+                if goodbye:
+                    why = "closed its receiver"
+                del self._channels[idx]
+                self._watch(idx, None)
+                state = self.table.workers[idx]
+                state.connected, state.lost = False, True
+                self._why[idx] = why
+                self.cond.notify_all()
         self._on_lost(idx)
         channel.close()
         (logger.debug if goodbye else logger.warning)(
             "worker %d %s: %s", idx, "left" if goodbye else "lost", why)
+
+    def _read_left(self, idx: int, channel: Channel) -> None:
+        """Record the messages worker ``idx`` sent before its loss and the hub has not read
+        yet (under the hub's read lock); stops at the end of the stream or of what has
+        arrived, and after a bounded number, for a live worker that keeps sending."""
+        for _ in range(_MAX_LEFT_MESSAGES):
+            if channel.closed or not channel.readable(0.0):
+                return
+            try:
+                message = channel.recv(timeout=_LEFT_MESSAGE_TIMEOUT, max_payload=0)
+            except (ChannelClosed, ChannelTimeout, OSError):
+                return
+            close_passed_fds(message)
+            with self.cond:
+                self._record(idx, message)
 
     def _watch(self, idx: int, pid: Any) -> None:
         """Start (or, with no pid, stop) watching worker ``idx``'s process; under cond."""
@@ -242,7 +281,8 @@ class Members:
                 failed = {w.worker_idx: w.error for w in workers if w.error}
                 if failed:
                     idx, why = next(iter(failed.items()))
-                    raise SchemaMismatchError(f"worker {idx} refused the weights: {why}")
+                    raise SchemaMismatchError(f"worker {idx} refused the weights: {why}",
+                                              **self._mismatches.get(idx, {}))
                 waiting = [w.worker_idx for w in workers if w.version < version]
                 if not waiting:
                     return

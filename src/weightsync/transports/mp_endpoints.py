@@ -220,7 +220,7 @@ class StreamReader:
                 self.transport.sender_layout.check_compatible(
                     local, other_name=f"worker {self.worker_idx}")
             except SchemaMismatchError as exc:
-                self.link.report_mismatch(str(exc))
+                self.link.report_mismatch(exc)
                 raise
 
     def newer_available(self, version: int) -> bool:
