@@ -108,19 +108,22 @@ def test_bench_runs_without_the_demo_extra(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_receive_loop_notes_the_wake_floor_measured_in_the_same_run():
-    """Blocked workers: the note gives, per worker count, one wake of that many blocked
-    processes until the last runs (the floor of "applied everywhere" in that loop)."""
-    notes: list[str] = []
-    run_bench(["shm"], [("64KB", 64_000)], [1, 2], repeats=2, shm_modes=("copy",),
-              step_s=0.0, notes=notes)
-    wake = [n for n in notes if n.startswith("wake floor")]
+def test_receive_loop_rows_hold_the_copy_and_wake_floor_measured_in_the_same_run():
+    """Blocked workers: per worker count, a floor row of one copy of the bytes into shared
+    memory followed by one wake of that many blocked processes until the last runs (the
+    least "applied everywhere" can cost in that loop)."""
+    rows = run_bench(["shm"], [("64KB", 64_000)], [1, 2], repeats=2, shm_modes=("copy",),
+                     step_s=0.0)
+    floors = [r for r in rows if r.transport.startswith("shm floor")]
     if not supported():
-        assert wake == []
+        assert floors == []
         return
-    assert len(wake) == 1 and "1: " in wake[0] and "2: " in wake[0], notes
-    samples = wake_times(2, repeats=3)
-    assert samples is not None and len(samples) == 3 and all(0 < t < 5 for t in samples)
+    assert [(r.size, r.workers, r.samples) for r in floors] == [("64KB", 1, 10), ("64KB", 2, 10)]
+    assert all(r.median_ms > 0 and r.floor == "memcpy" for r in floors)
+    copied = wake_times(2, repeats=3, nbytes=1 << 20)
+    woken = wake_times(2, repeats=3)
+    for samples in (copied, woken):
+        assert samples is not None and len(samples) == 3 and all(0 < t < 5 for t in samples)
 
 
 def test_pipe_floor_times_each_transfer_where_such_a_pipe_exists():

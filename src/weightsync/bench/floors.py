@@ -1,7 +1,8 @@
 """What the machine itself costs, measured in the same run as the transports: one memcpy
 (one device-to-device copy on a GPU), one bare Unix-socket transfer, one bare transfer
-through a page-mapping pipe, and waking processes
-blocked in a wait (what a worker blocked in ``receive()`` costs before it does anything)."""
+through a page-mapping pipe, and one copy into shared memory followed by one wake of the
+processes blocked on it until the last runs (the least any tear-free publish to workers
+blocked in ``receive()`` can cost: the bytes are written, then the workers woken)."""
 
 from __future__ import annotations
 
@@ -160,10 +161,12 @@ def _sleeper(page: mmap.mmap, index: int) -> None:
         words[2 + index] = time.clock_gettime(time.CLOCK_MONOTONIC)
 
 
-def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005) -> list[float] | None:
-    """Seconds from one futex wake of ``workers`` processes blocked on it until the last of
-    them runs, the waker busy for ``busy_s`` before each (as the bench's trainer is): the
-    floor of "applied everywhere" for workers blocked in ``receive()``. None without futex."""
+def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005,
+               nbytes: int = 0) -> list[float] | None:
+    """Seconds from the start of one copy of ``nbytes`` into shared memory, through one
+    futex wake of ``workers`` processes blocked on it, until the last of them runs; the
+    waker busy for ``busy_s`` before each (as the bench's trainer is). With ``nbytes`` 0
+    only the wake is timed. None without futex."""
     page = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
     words = memoryview(page).cast("d")
     ring = _ring_in(page)
@@ -173,6 +176,9 @@ def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005) -> list[f
     sleepers = [ctx.Process(target=_sleeper, args=(page, i), daemon=True) for i in range(workers)]
     for p in sleepers:
         p.start()
+    shared = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    dst = torch.frombuffer(shared, dtype=torch.uint8, count=nbytes) if nbytes else None
+    src = torch.ones(nbytes, dtype=torch.uint8)
     times = []
     try:
         time.sleep(0.2)  # every sleeper is asleep
@@ -181,6 +187,8 @@ def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005) -> list[f
             while time.perf_counter() < end:
                 pass
             t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
+            if dst is not None:
+                dst.copy_(src)
             ring.raise_and_wake()
             deadline = time.monotonic() + 5.0
             while (min(words[2 + i] for i in range(workers)) < t0
@@ -191,8 +199,9 @@ def wake_times(workers: int, repeats: int = 20, busy_s: float = 0.005) -> list[f
         words[_STOP] = 1
         ring.raise_and_wake()
         join_or_kill(sleepers, 5)
-        del ring  # its view of the page, then ours: the page can then be unmapped
+        del ring, dst  # their views of the pages, then ours: the pages can then be unmapped
         words.release()
-        with contextlib.suppress(BufferError):
-            page.close()
-    return times[1:]
+        for mapping in (page, shared):
+            with contextlib.suppress(BufferError):
+                mapping.close()
+    return times[1:]  # the first round faults the pages in

@@ -30,7 +30,6 @@ from weightsync.bench.floors import (
 )
 from weightsync.bench.rows import BenchRow, make_row
 from weightsync.transports.mp_pipe import MIN_PAYLOAD_BYTES
-from weightsync.units import format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -237,8 +236,8 @@ def run_bench(
                             continue
                         rows.append(make_row(f"{label} {phase}", size, nbytes, n, values, floor,
                                              floor_name))
-            if transport == "shm" and step_s <= 0 and notes is not None:
-                _note_wake_floors(notes, worker_counts, repeats)
+            if transport == "shm" and step_s <= 0 and device == "cpu":
+                rows += _publish_and_wake_floors(size, nbytes, worker_counts, repeats)
             if transport == "mp":  # what the socket alone costs, beside the same memcpy
                 floor = memcpy_floor(nbytes)
                 samples = socket_times(nbytes, repeats=max(5, min(repeats, 20)))
@@ -252,14 +251,15 @@ def run_bench(
     return rows
 
 
-def _note_wake_floors(notes: list[str], worker_counts: Sequence[int], repeats: int) -> None:
+def _publish_and_wake_floors(size: str, nbytes: int, worker_counts: Sequence[int],
+                             repeats: int) -> list[BenchRow]:
     """The machine's floor of "applied everywhere" when the workers block in ``receive()``:
-    one wake of that many blocked processes until the last one runs (same run)."""
-    figures = []
+    one copy of the bytes into shared memory, then one wake of that many blocked processes
+    until the last one runs (same run; none without futex)."""
+    rows = []
     for n in worker_counts:
-        samples = wake_times(n, repeats=max(10, repeats))
+        samples = wake_times(n, repeats=max(10, repeats), nbytes=nbytes)
         if samples:
-            figures.append(f"{n}: {format_duration(statistics.median(samples))}")
-    if figures:
-        notes.append("wake floor (blocked processes woken at once, until the last one runs), "
-                     "median by worker count: " + ", ".join(figures))
+            rows.append(make_row("shm floor: one copy, then wake the blocked workers", size,
+                                 nbytes, n, samples, memcpy_floor(nbytes)))
+    return rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,13 +310,17 @@ class Layout:
         return views
 
     @torch.no_grad()
-    def pack(self, weights: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``weights`` (already checked against this layout) into ``buffers``.
+    def pack(self, weights: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+             views: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy ``weights`` (already checked against this layout) into ``buffers`` (through
+        ``views``, their :meth:`bucket_views`, if the caller keeps them).
 
         One ``torch.cat`` per bucket when every source already sits on the bucket's device
         and has its dtype; otherwise one fused per-bucket copy (device moves, casts)."""
-        for bucket, view in zip(self.buckets, self.bucket_views(buffers), strict=True):
-            sources = [weights[name].detach() for name in bucket.names]
+        if views is None:
+            views = self.bucket_views(buffers)
+        for bucket, view in zip(self.buckets, views, strict=True):
+            sources = [weights[name] for name in bucket.names]  # no_grad: no detach needed
             if all(s.device == view.device and s.dtype == view.dtype for s in sources):
                 if len(sources) == 1:
                     view.copy_(sources[0].reshape(-1))

@@ -192,7 +192,8 @@ class WeightSender(Closable):
         requested = named if named is not None else list(range(self._table.num_workers))
         t0 = time.perf_counter()
         unreachable = self.writer.publish(flat, self._layout, requested, version, deadline)
-        self._reported.difference_update(self.writer.held_versions())  # back again
+        if self._reported:  # those reported lost that are back again
+            self._reported.difference_update(self.writer.held_versions())
         targets = [w for w in requested if w not in unreachable]
         # already reported, and not asked for by name: not raised again
         lost = dict(unreachable) if named is not None else {

@@ -49,7 +49,7 @@ class Snapshot:
         self.version = NO_VERSION
         self.lock = threading.Lock()
         self._plan = PiecePlan(self.layout)
-        self._views = self._plan.buffer_views({"cpu": self.buffer}) if self._plan.in_pieces else None
+        self._views = self._plan.buffer_views({"cpu": self.buffer})
         self._progress = threading.Condition()
         self.packed = 0  # bytes of ``version`` packed so far
         self.failed = False

@@ -57,7 +57,11 @@ class PiecePlan:
                                              start + hi * spec.dtype.itemsize))
 
     def buffer_views(self, buffers: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Each piece's typed view into ``buffers`` (computed once per buffer and kept)."""
+        """The typed views ``pack`` writes through: each piece's, or each bucket's for a
+        layout packed in one go (made once per buffer and kept: making them costs about
+        as much as copying a small model)."""
+        if not self.in_pieces:
+            return self.layout.bucket_views(buffers)
         assert self.device is not None
         raw = buffers[self.device]
         views = []
@@ -70,17 +74,17 @@ class PiecePlan:
              advance: Callable[[int], None], views: list[torch.Tensor] | None = None) -> None:
         """Copy ``weights`` into ``buffers``; ``advance(watermark)`` after each piece, the
         last call with ``self.total``. ``views``: this buffer's ``buffer_views``, if kept."""
+        views = self.buffer_views(buffers) if views is None else views
         if not self.in_pieces:
-            self.layout.pack(weights, buffers)
+            self.layout.pack(weights, buffers, views)
             advance(self.total)
             return
-        views = self.buffer_views(buffers) if views is None else views
         flat: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for piece, view in zip(self.pieces, views, strict=True):
                 source = flat.get(piece.name)
                 if source is None:
-                    source = flat[piece.name] = weights[piece.name].detach().reshape(-1)
+                    source = flat[piece.name] = weights[piece.name].reshape(-1)
                 view.copy_(source[piece.lo:piece.hi])
                 # the copy released and retook the GIL (atomic instructions, a full fence on
                 # x86): the bytes are visible before the watermark that announces them

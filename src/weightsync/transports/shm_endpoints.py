@@ -144,9 +144,8 @@ class SharedMemReader:
     def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
                      deadline: Deadline) -> int | None:
         self.link.check_connected()
-        if self.views_model:
-            with torch.no_grad():
-                return self.transport.adopt_latest(self.worker_idx, dest, version, deadline)
+        if self.views_model:  # re-points ``.data``: autograd records nothing, no no_grad()
+            return self.transport.adopt_latest(self.worker_idx, dest, version, deadline)
         return self.transport.apply_latest(self.worker_idx, dest, version, deadline)
 
     def wait(self, version: int, deadline: Deadline) -> None:

@@ -116,7 +116,7 @@ class _SenderModel:
         self.ctrl[_IDX_PREVIOUS] = -1
         self.ring = _ring_of(self.control, self.ctrl)
         self.plan = PiecePlan(layout)
-        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
+        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> the views packed through
         for w in range(_MAX_WORKERS):
             self.ctrl[_HEADER_WORDS + w] = -1
             self.ctrl[_APPLIED_BASE + w] = NO_VERSION
@@ -193,8 +193,8 @@ class _SenderModel:
         try:
             if self.plan.in_pieces:
                 on_published()
-            views = self.views.get(slot.index) if self.plan.in_pieces else None
-            if views is None and self.plan.in_pieces:
+            views = self.views.get(slot.index)
+            if views is None:
                 views = self.views[slot.index] = self.plan.buffer_views(slot.buffers)
             self.plan.pack(flat, slot.buffers, lambda watermark: None if watermark >= self.plan.total
                            else ctrl.__setitem__(packed_word, watermark), views)
@@ -281,7 +281,8 @@ class _ReceiverModel:
         self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
 
     def views_of(self, slot: _Slot) -> list[torch.Tensor]:
-        """The typed views of each piece of ``slot`` (made once per slot)."""
+        """The typed views of each piece of ``slot`` (made once per slot; a reader uses them
+        only for a layout packed in pieces)."""
         views = self._views.get(slot.index)
         if views is None:
             views = self._views[slot.index] = self.plan.buffer_views(slot.buffers)
