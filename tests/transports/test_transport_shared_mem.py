@@ -62,6 +62,25 @@ def test_lazy_registration_worker_starts_before_any_weights():
         transport.close()
 
 
+def test_a_receiver_learns_that_the_sender_closed():
+    """The standalone flow: ``sender_closed()`` turns True once the sender closes."""
+    ours, theirs = mp.Pipe(duplex=True)
+    sender, receiver = SharedMemTransport(), SharedMemTransport()
+    sender.register_pipe(ours)
+    receiver.register_pipe(theirs)
+    try:
+        sender.send_weights("policy", {"w": torch.ones(3)})
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.zeros(3))
+        receiver.setup_connection_and_weights_on_receiver(worker_idx=0, model=model, timeout=10)
+        assert float(model.w.detach().sum()) == 3.0 and not receiver.sender_closed()
+        sender.close()
+        assert receiver.sender_closed()
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_auto_register_false_requires_registration():
     transport = SharedMemTransport(auto_register=False)
     with pytest.raises(KeyError, match="register"):

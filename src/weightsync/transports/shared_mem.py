@@ -139,11 +139,6 @@ class SharedMemTransport:
         except TypeError as exc:
             raise ValueError(str(exc)) from exc
 
-    def worker_waiting(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> bool:
-        """Sender side: is the worker blocked waiting for a version (and so needs a notice)?"""
-        model = self._models.get(model_id)
-        return model is not None and model.waiting(worker_idx)
-
     def applied_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
         """Sender side: the version the worker last applied, as it wrote it into the
         control block (acks through shared memory wake no thread of the trainer)."""
@@ -309,6 +304,8 @@ class SharedMemTransport:
         return version
 
     def sender_closed(self, model_id: str = DEFAULT_MODEL_ID) -> bool:
+        """Receiver side: has the sender closed (its pipe, or the model's control block says
+        so)? A worker looping on ``receive_weights`` can stop on it."""
         model = self._receiver_models.get(model_id)
         return self._sender_gone or (model is not None and model.ctrl[_IDX_CLOSED] == 1)
 
