@@ -153,6 +153,43 @@ def test_a_model_changed_after_register_model_receives_the_weights(local_scheme,
     sender.close()
 
 
+def changed_after_connect_worker(scheme: Any, idx: int, out: Any, stop: Any, how: str,
+                                 zero_copy: bool) -> None:
+    model = make_model()
+    receiver = (scheme.create_receiver(idx, zero_copy=True) if zero_copy
+                else scheme.create_receiver(worker_idx=idx))
+    receiver.register_model(model)
+    receiver.connect(timeout=30)  # the model's tensors are found (and kept) here
+    if how == "assign":
+        fresh = {k: torch.full_like(v, -7.0) for k, v in model.state_dict().items()}
+        model.load_state_dict(fresh, assign=True)
+    elif how == "replaced-submodule":
+        model[3] = torch.nn.Linear(16, 4)
+    else:  # new buffer objects, put in place by torch with no registration hook
+        model.double().float()
+    out.put(("changed", idx))
+    version = receiver.receive(timeout=30)
+    out.put(("held", idx, version, checksum(model)))
+    receiver.close()
+
+
+@pytest.mark.parametrize("how", ["assign", "replaced-submodule", "dtype-round-trip"])
+@pytest.mark.parametrize("kind", ["shm", "shm-zero-copy", "mp"])
+def test_a_model_changed_after_connect_receives_the_next_version(workers, how, kind):
+    scheme = LOCAL[kind.removesuffix("-zero-copy")](num_workers=1, timeout=30)
+    workers.start(changed_after_connect_worker, scheme, 0, how, kind.endswith("zero-copy"))
+    model = make_model()
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.connect(timeout=30)
+    assert _get(workers.out) == ("changed", 0)
+    fill_all(model, 5.0)
+    assert sender.send(timeout=30) == 1
+    _, _, version, total = _get(workers.out)
+    assert (version, total) == (1, checksum(model))
+    sender.close()
+
+
 # ---------------------------------------------------------------- fork
 def forking_trainer(scheme: Any, idx: int, out: Any, stop: Any) -> None:
     """Connect, fork a helper that outlives us, then die without closing anything."""

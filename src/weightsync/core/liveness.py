@@ -11,7 +11,7 @@ _SIGKILL_BIT = 1 << 8
 
 def _stat_says_dying(stat: bytes) -> bool:
     """Parse a /proc/<pid>/stat line: zombie, exiting, or SIGKILL pending."""
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    fields = stat[stat.rfind(b")") + 2 :].split(b" ", 29)  # up to field 31, no further
     try:  # fields[0] is field 3 (state): flags is field 9, pending signals field 31
         return (
             fields[0] in (b"Z", b"X")

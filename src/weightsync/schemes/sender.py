@@ -21,6 +21,7 @@ from weightsync.core.endpoints import Losses, WeightWriter
 from weightsync.core.errors import WeightSyncError, WorkerLostError
 from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
+from weightsync.core.own_tensors import OwnTensors
 from weightsync.core.stats import SendRecord, SendStats
 from weightsync.core.strategy import flat_tensors
 from weightsync.core.versions import NO_VERSION, VersionTable
@@ -59,6 +60,7 @@ class WeightSender(Closable):
         self.writer = writer
         self._table = VersionTable(num_workers, published=resumed_version)
         self._model: Any = None
+        self._own: OwnTensors | None = None  # a module's tensors, walked once and kept
         self._layout: Layout | None = None
         self._stats = SendStats()
         self._reported: set[int] = set()  # lost and already reported (not raised again)
@@ -81,6 +83,7 @@ class WeightSender(Closable):
             self._layout.check_compatible(layout, self_name="the model registered first",
                                           other_name="the new model")
         self._model = model
+        self._own = OwnTensors(model) if isinstance(model, torch.nn.Module) else None
         self._layout = layout
 
     @property
@@ -92,7 +95,11 @@ class WeightSender(Closable):
         if weights is None:
             if self._model is None:
                 raise RuntimeError("nothing to send: call register_model(model) or pass weights=")
-            flat = flat_tensors(self._model, what="the registered model")
+            if self._own is not None:  # only read: ``.data`` costs less than ``detach()``
+                flat = {name: t.data if t.requires_grad else t
+                        for name, t in self._own.get().items()}
+            else:
+                flat = flat_tensors(self._model, what="the registered model")
         else:
             flat = flat_tensors(weights, what="send(weights=...)")
             if self._layout is None:

@@ -57,11 +57,11 @@ class PiecePlan:
                                              start + hi * spec.dtype.itemsize))
 
     def buffer_views(self, buffers: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The typed views ``pack`` writes through: each piece's, or each bucket's for a
+        """The typed views ``pack`` writes through: each piece's, or each tensor's for a
         layout packed in one go (made once per buffer and kept: making them costs about
         as much as copying a small model)."""
         if not self.in_pieces:
-            return self.layout.bucket_views(buffers)
+            return list(self.layout.tensor_views(buffers).values())
         assert self.device is not None
         raw = buffers[self.device]
         views = []
