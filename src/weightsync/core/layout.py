@@ -316,7 +316,7 @@ class Layout:
         model, where the views cost more to make than the bytes to copy."""
         if views is None:
             views = list(self.tensor_views(buffers).values())
-        _copy_all(list(views), [weights[spec.name] for spec in self.specs])
+        copy_all(list(views), [weights[spec.name] for spec in self.specs])
 
     def unpack(self, buffers: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor],
                views: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -324,10 +324,10 @@ class Layout:
         :meth:`tensor_views` and kept by the caller) into the matching tensor of ``dest``."""
         if views is None:
             views = self.tensor_views(buffers)
-        _copy_all([dest[name] for name in self.names], [views[name] for name in self.names])
+        copy_all([dest[name] for name in self.names], [views[name] for name in self.names])
 
 
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``t.copy_(s)`` for each pair, fused into one ``_foreach_copy_`` call where possible.
     Autograd never sees it: a tensor that requires grad takes part through ``.data`` (its
     own bytes), which costs less than entering ``torch.no_grad()`` at every call."""

@@ -96,7 +96,7 @@ class WeightSender(Closable):
             if self._model is None:
                 raise RuntimeError("nothing to send: call register_model(model) or pass weights=")
             if self._own is not None:  # only read: ``.data`` costs less than ``detach()``
-                flat = {name: t.data if t.requires_grad else t
+                flat = {name: t.data if getattr(t, "requires_grad", False) else t
                         for name, t in self._own.get().items()}
             else:
                 flat = flat_tensors(self._model, what="the registered model")

@@ -116,7 +116,7 @@ class _SenderModel:
         self.ctrl[_IDX_PREVIOUS] = -1
         self.ring = _ring_of(self.control, self.ctrl)
         self.plan = PiecePlan(layout)
-        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> the views packed through
+        self.views: dict[int, list[list[torch.Tensor]]] = {}  # slot -> the views packed through
         for w in range(_MAX_WORKERS):
             self.ctrl[_HEADER_WORDS + w] = -1
             self.ctrl[_APPLIED_BASE + w] = NO_VERSION
@@ -274,13 +274,13 @@ class _ReceiverModel:
         self.ring = _ring_of(self.control, self.ctrl)
         self.slots: dict[int, _Slot] = {}
         self.plan = PiecePlan(layout)
-        self._views: dict[int, list[torch.Tensor]] = {}  # slot -> its pieces' views
+        self._views: dict[int, list[list[torch.Tensor]]] = {}  # slot -> its pieces' views
         self._tensor_views: dict[int, dict[str, torch.Tensor]] = {}  # slot -> each tensor
         self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
         self._opened_bits = 0  # CUDA slots mapped here (their consumer count holds our one)
         self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
 
-    def views_of(self, slot: _Slot) -> list[torch.Tensor]:
+    def views_of(self, slot: _Slot) -> list[list[torch.Tensor]]:
         """The typed views of each piece of ``slot`` (made once per slot; a reader uses them
         only for a layout packed in pieces)."""
         views = self._views.get(slot.index)
