@@ -27,16 +27,22 @@ def is_tensordict(value: Any) -> bool:
     return tensordict is not None and isinstance(value, tensordict.TensorDictBase)
 
 
+def detach_parameters(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict(keep_vars=True)`` as :func:`flat_tensors` gives a module: each Parameter
+    detached (sharing its storage and version counter), buffers as they are."""
+    return OrderedDict(
+        (name, t.detach() if isinstance(t, torch.nn.Parameter) else t)
+        for name, t in tensors.items()
+    )
+
+
 def flat_tensors(source: Any, *, what: str = "weights") -> dict[str, torch.Tensor]:
     """``source`` as an ordered flat ``"a.b.c" -> tensor`` dict, sharing storage with it.
 
     Modules give their parameters and persistent buffers (BatchNorm running stats included),
     as ``state_dict`` names them. Raises ``TypeError`` for anything else."""
     if isinstance(source, torch.nn.Module):
-        return OrderedDict(
-            (name, t.detach() if isinstance(t, torch.nn.Parameter) else t)
-            for name, t in source.state_dict(keep_vars=True).items()
-        )
+        return detach_parameters(source.state_dict(keep_vars=True))
     if is_tensordict(source):
         out: dict[str, torch.Tensor] = OrderedDict()
         for key, value in source.items(include_nested=True, leaves_only=True):

@@ -22,7 +22,7 @@ from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
 from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
 from weightsync.core.own_tensors import OwnTensors
-from weightsync.core.strategy import flat_tensors
+from weightsync.core.strategy import detach_parameters, flat_tensors
 from weightsync.core.versions import NO_VERSION
 from weightsync.schemes.closing import Closable, SyncSettings
 
@@ -84,8 +84,7 @@ class WeightReceiver(Closable):
             if fresh is self._dest:  # a module unchanged since the last call
                 return fresh
         elif isinstance(self._model, torch.nn.Module):  # what flat_tensors gives, walk kept
-            fresh = {name: t.detach() if isinstance(t, torch.nn.Parameter) else t
-                     for name, t in self._module_tensors().items()}
+            fresh = detach_parameters(self._module_tensors())
         else:
             fresh = flat_tensors(self._model, what=f"worker {self.worker_idx}'s model")
         if fresh.keys() != self._dest.keys() or any(
