@@ -257,6 +257,7 @@ class _SenderModel:
     def close(self) -> None:
         self.ctrl[_IDX_CLOSED] = 1
         self.ctrl.release()
+        self.views.clear()  # views into the slots would keep their CUDA memory alive
         for slot in self.slots:
             slot.close()
         self.control.close()
