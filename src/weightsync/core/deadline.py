@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 
 from weightsync.units import format_duration as human_duration
+
+
+def checked_timeout(timeout: object, what: str = "timeout") -> float | None:
+    """``timeout`` as seconds (a finite real number >= 0) or ``None`` (no deadline); anything
+    else (NaN, infinity, a negative number, a string, a bool) is a ValueError that says what
+    was given. The one check every blocking call's ``timeout`` goes through."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ValueError(f"{what} must be a number of seconds >= 0 or None, got "
+                         f"{type(timeout).__name__} {timeout!r}")
+    seconds = float(timeout)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0 or None, got {timeout!r}")
+    return seconds
+
+
+def positive_timeout(timeout: object, what: str = "timeout") -> float:
+    """A default deadline (a scheme's, an engine's): a finite number of seconds > 0."""
+    seconds = checked_timeout(timeout, what)
+    if not seconds:
+        raise ValueError(f"{what} must be a positive number of seconds, got {timeout!r}")
+    return seconds
 
 
 class Deadline:
@@ -13,8 +38,7 @@ class Deadline:
     __slots__ = ("_end", "timeout")
 
     def __init__(self, timeout: float | None) -> None:
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+        timeout = checked_timeout(timeout)
         self.timeout = timeout
         self._end = None if timeout is None else time.monotonic() + timeout
 

@@ -1,7 +1,8 @@
 """The layout of a set of weights, and how it packs into flat per-device, per-dtype buckets.
 
-A layout is the ordered names, shapes, dtypes and devices of the tensors, plus a
-fingerprint of (names, shapes, dtypes). Both sides of a sync agree on it before any byte
+A layout is the ordered names, shapes, dtypes and devices of the tensors, the names that
+are tied to another (packed once, see ``core/ties.py``), plus a fingerprint of (names,
+shapes, dtypes, ties). Both sides of a sync agree on it before any byte
 moves; a send is then one large copy per bucket instead of one call per tensor.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from weightsync.core.errors import SchemaMismatchError
+from weightsync.core.ties import checked_ties, describe_tie, find_ties, same_tensor
 
 #: Byte alignment of every bucket inside a device buffer (a cache line; also any dtype's size).
 BUCKET_ALIGNMENT = 64
@@ -76,9 +78,13 @@ class BucketSpec:
 
 
 class Layout:
-    """Ordered tensor specs with their packing into buckets; immutable once built."""
+    """Ordered tensor specs with their packing into buckets; immutable once built.
 
-    def __init__(self, specs: Iterable[TensorSpec], *, alignment: int = BUCKET_ALIGNMENT) -> None:
+    ``ties``: ``alias -> name`` for names that are the same tensor as an entry of ``specs``
+    (not entries themselves): nothing is packed for them."""
+
+    def __init__(self, specs: Iterable[TensorSpec], *, alignment: int = BUCKET_ALIGNMENT,
+                 ties: Mapping[str, str] | None = None) -> None:
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         self.names: tuple[str, ...] = tuple(s.name for s in self.specs)
         self.alignment = alignment
@@ -87,8 +93,9 @@ class Layout:
             if spec.name in self._by_name:
                 raise ValueError(f"duplicate weight name {spec.name!r}")
             self._by_name[spec.name] = spec
+        self.ties: dict[str, str] = checked_ties(ties or {}, self._by_name)
         self.buckets, self._slots, self.nbytes_by_device = self._plan_buckets(self.specs, alignment)
-        self.fingerprint = self._compute_fingerprint(self.specs)
+        self.fingerprint = self._compute_fingerprint(self.specs, self.ties)
 
     @staticmethod
     def _plan_buckets(
@@ -111,8 +118,10 @@ class Layout:
         return tuple(buckets), slots, {d: _align(end, alignment) for d, end in device_end.items()}
 
     @staticmethod
-    def _compute_fingerprint(specs: tuple[TensorSpec, ...]) -> str:
-        canon = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in specs]
+    def _compute_fingerprint(specs: tuple[TensorSpec, ...], ties: Mapping[str, str]) -> str:
+        canon: list[Any] = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in specs]
+        if ties:  # an untied layout keeps the fingerprint it always had
+            canon.append(sorted(ties.items()))
         return hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ construction
@@ -134,37 +143,45 @@ class Layout:
                     f"entry {name!r} is on the meta device and holds no data; materialise the "
                     "model first, e.g. model.to_empty(device='cpu')"
                 )
+        ties = find_ties(weights)
         return cls(
-            TensorSpec(name, tuple(t.shape), t.dtype, str(t.device)) for name, t in weights.items()
+            (TensorSpec(name, tuple(t.shape), t.dtype, str(t.device))
+             for name, t in weights.items() if name not in ties),
+            ties=ties,
         )
 
     def on_device(self, device: str | torch.device) -> Layout:
         """The same layout with every tensor placed on ``device``."""
-        return Layout(TensorSpec(s.name, s.shape, s.dtype, str(device)) for s in self.specs)
+        return Layout((TensorSpec(s.name, s.shape, s.dtype, str(device)) for s in self.specs),
+                      ties=self.ties)
 
     def with_dtype(self, dtype: torch.dtype | None) -> Layout:
         """The same layout with floating-point tensors cast to ``dtype`` (None: unchanged)."""
         if dtype is None:
             return self
         return Layout(
-            TensorSpec(s.name, s.shape, dtype if s.dtype.is_floating_point else s.dtype, s.device)
-            for s in self.specs
+            (TensorSpec(s.name, s.shape, dtype if s.dtype.is_floating_point else s.dtype, s.device)
+             for s in self.specs),
+            ties=self.ties,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe description; :meth:`from_dict` reads it back (no pickle involved)."""
-        return {
+        described: dict[str, Any] = {
             "fingerprint": self.fingerprint,
             "tensors": [
                 {"name": s.name, "shape": list(s.shape), "dtype": dtype_name(s.dtype), "device": s.device}
                 for s in self.specs
             ],
         }
+        if self.ties:
+            described["ties"] = dict(self.ties)
+        return described
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
         try:
-            layout = cls(
+            layout = cls((
                 TensorSpec(
                     str(t["name"]),
                     tuple(int(d) for d in t["shape"]),
@@ -172,8 +189,8 @@ class Layout:
                     str(t.get("device", "cpu")),
                 )
                 for t in data["tensors"]
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            ), ties=data.get("ties") or {})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed layout description: {exc}") from exc
         if "fingerprint" in data and data["fingerprint"] != layout.fingerprint:
             raise ValueError("layout description does not match its own fingerprint")
@@ -193,7 +210,7 @@ class Layout:
         return self._by_name[name]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self.specs == other.specs
+        return isinstance(other, Layout) and self.specs == other.specs and self.ties == other.ties
 
     def __hash__(self) -> int:
         return hash(self.specs)
@@ -215,7 +232,17 @@ class Layout:
         given_by: str = "the given weights",
     ) -> None:
         """Raise :class:`SchemaMismatchError` unless ``weights`` has exactly this layout's
-        names, shapes and dtypes (devices may differ: copies move bytes across devices)."""
+        names, shapes, dtypes and ties (devices may differ: copies move bytes across devices)."""
+        for alias, canonical in self.ties.items():
+            tensor, tied_to = weights.get(alias), weights.get(canonical)
+            if not (isinstance(tensor, torch.Tensor) and isinstance(tied_to, torch.Tensor)
+                    and same_tensor(tensor, tied_to)):
+                got = "missing" if tensor is None else describe_tie(None)
+                raise SchemaMismatchError(
+                    f"key {alias!r} is {describe_tie(canonical)} in {expected_by}, but "
+                    f"{got} in {given_by}", key=alias,
+                    expected=describe_tie(canonical), got=got,
+                )
         for spec in self.specs:
             tensor = weights.get(spec.name)
             if tensor is None:
@@ -235,8 +262,8 @@ class Layout:
                     f"key {spec.name!r}: {expected_by} has {spec.describe()}, {given_by} has {got}",
                     key=spec.name, expected=spec.describe(), got=got,
                 )
-        if len(weights) != len(self.specs):
-            extra = next(k for k in weights if k not in self._by_name)
+        if len(weights) != len(self.specs) + len(self.ties):
+            extra = next(k for k in weights if k not in self._by_name and k not in self.ties)
             raise SchemaMismatchError(
                 f"key {extra!r} is in {given_by} but not in {expected_by}",
                 key=extra, expected=None, got=TensorSpec(
@@ -248,7 +275,17 @@ class Layout:
         ignore_dtype: bool = False,
     ) -> None:
         """Raise :class:`SchemaMismatchError` naming the first key on which the layouts
-        differ in presence, shape or (unless ``ignore_dtype``) dtype."""
+        differ in a tie, presence, shape or (unless ``ignore_dtype``) dtype."""
+        for alias in sorted(set(self.ties) | set(other.ties)):
+            mine, theirs_tie = self.ties.get(alias), other.ties.get(alias)
+            if mine != theirs_tie:
+                other_key = mine or theirs_tie
+                raise SchemaMismatchError(
+                    f"keys {alias!r} and {other_key!r}: {alias!r} is {describe_tie(mine)} "
+                    f"on {self_name} but {describe_tie(theirs_tie)} on {other_name}; tie "
+                    "or untie them alike on both sides",
+                    key=alias, expected=describe_tie(mine), got=describe_tie(theirs_tie),
+                )
         for spec in self.specs:
             theirs = other._by_name.get(spec.name)
             if theirs is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from weightsync.core.checks import checked_int
+
 #: The version a worker holds before it has received anything.
 NO_VERSION = -1
 
@@ -43,15 +45,15 @@ class VersionTable:
             if w.connected and w.version > NO_VERSION
         }
 
-    def check_worker_ids(self, worker_ids: int | list[int] | tuple[int, ...] | None) -> list[int]:
+    def check_worker_ids(self, worker_ids: object) -> list[int]:
         """Normalise ``worker_ids`` (None: all) to a sorted list; refuse unknown indices."""
         if worker_ids is None:
             return list(range(self.num_workers))
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        for idx in ids:
-            if not isinstance(idx, int) or isinstance(idx, bool) or idx not in self.workers:
-                raise ValueError(
-                    f"worker_ids: {idx!r} is not a worker index; expected ints in "
-                    f"[0, {self.num_workers})"
-                )
+        if isinstance(worker_ids, (str, bytes)) or not hasattr(worker_ids, "__iter__"):
+            worker_ids = [worker_ids]  # one index (an int, numpy.int64, ...)
+        ids = [checked_int(idx, "worker_ids: each worker index", 0, self.num_workers - 1)
+               for idx in worker_ids]
+        if not ids:
+            raise ValueError("worker_ids is empty: a version sent to no worker is refused "
+                             "(pass None for every worker)")
         return sorted(set(ids))

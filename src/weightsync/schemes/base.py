@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 
+from weightsync.core.deadline import positive_timeout
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
@@ -22,9 +23,7 @@ class WeightSyncScheme(abc.ABC):
     def __init__(
         self, *, timeout: float = DEFAULT_TIMEOUT, strategy: WeightStrategy | None = None
     ) -> None:
-        if timeout is None or isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = positive_timeout(timeout)
         self.strategy = strategy or WeightStrategy(extract_as="state_dict")
 
     @abc.abstractmethod

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.deadline import checked_timeout
 from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
@@ -51,7 +52,7 @@ class DirectoryConfig:
         ):
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype or None, got {self.dtype!r}")
-        if not self.poll_interval > 0:
+        if not checked_timeout(self.poll_interval, "poll_interval"):
             raise ValueError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
         check_file_mode(self.mode)
 
@@ -83,7 +84,8 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
         strategy: WeightStrategy | None = None,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
-        self.config = DirectoryConfig(Path(directory), num_workers, dtype, bool(durable),
+        # absolute: the scheme is pickled to workers whose working directory may differ
+        self.config = DirectoryConfig(Path(directory).absolute(), num_workers, dtype, bool(durable),
                                       poll_interval, mode)
 
     directory = property(lambda self: self.config.directory)

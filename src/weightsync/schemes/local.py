@@ -12,6 +12,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 
+from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.transports.local_address import new_address
@@ -19,9 +20,7 @@ from weightsync.transports.local_link import LocalLink
 
 
 def check_num_workers(num_workers: object) -> int:
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    return num_workers
+    return checked_int(num_workers, "num_workers", 1)
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,7 @@ class LocalScheme(WeightSyncScheme):
 
     def _link(self, worker_idx: int) -> LocalLink:
         """Worker ``worker_idx``'s connection to the trainer (index checked here)."""
-        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
-            raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        worker_idx = checked_int(worker_idx, "worker_idx")
         if worker_idx >= self.num_workers:
             raise ValueError(f"worker_idx {worker_idx} is out of range: the scheme has "
                              f"num_workers={self.num_workers}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.checks import checked_int
 from weightsync.core.deadline import Deadline
 from weightsync.core.endpoints import WeightReader
 from weightsync.core.errors import SchemaMismatchError, WeightSyncTimeoutError
@@ -37,8 +38,7 @@ class WeightReceiver(Closable):
     Created by ``scheme.create_receiver(worker_idx)``."""
 
     def __init__(self, scheme: SyncSettings, worker_idx: int, reader: WeightReader) -> None:
-        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
-            raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        worker_idx = checked_int(worker_idx, "worker_idx")
         self.scheme = scheme
         self.worker_idx = worker_idx
         self.reader = reader

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.local import LocalScheme, SameHostConfig
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.shm_endpoints import SharedMemReader, SharedMemWriter
+from weightsync.transports.shm_slots import MAX_SLOTS, MAX_WORKERS
 
 
 @dataclass(frozen=True)
@@ -20,9 +22,14 @@ class SharedMemConfig(SameHostConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        m = self.max_slots
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
-            raise ValueError(f"max_slots must be an int >= 2 or None, got {m!r}")
+        if self.num_workers > MAX_WORKERS:
+            raise ValueError(f"num_workers must be at most {MAX_WORKERS} for SharedMem (the size of "
+                             f"its control block), got {self.num_workers}")
+        if self.max_slots is not None:
+            checked_int(self.max_slots, "max_slots", 2, MAX_SLOTS)
+        elif self.num_workers + 2 > MAX_SLOTS:
+            raise ValueError(f"num_workers={self.num_workers} needs max_slots <= {MAX_SLOTS}; "
+                             f"pass max_slots= explicitly")
         object.__setattr__(self, "zero_copy", bool(self.zero_copy))
 
 

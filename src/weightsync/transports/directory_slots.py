@@ -39,6 +39,10 @@ _CUDA_HOST_REGISTER_PORTABLE = 0x01  # pinned for every CUDA context, not just t
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08  # a receiver maps its slots read-only
 
 
+#: the ``__metadata__`` entry naming the tied names (alias -> stored name), as JSON
+TIES_KEY = "weightsync.ties"
+
+
 def check_weight_name(name: str) -> None:
     """Refuse names that could be taken for a path outside the directory."""
     parts = name.replace("\\", "/").split("/")
@@ -60,12 +64,16 @@ def file_layout(layout: Layout, dtype: torch.dtype | None = None) -> Layout:
     for spec in cast.specs:
         if spec.dtype not in _ST_CODES:
             raise ValueError(f"weight {spec.name!r}: dtype {spec.dtype} has no safetensors code")
+    for alias in cast.ties:
+        check_weight_name(alias)
     ordered = sorted(cast.specs, key=lambda s: (-s.dtype.itemsize, str(s.dtype)))
-    return Layout(ordered, alignment=1)
+    return Layout(ordered, alignment=1, ties=cast.ties)
 
 
 def _header_bytes(layout: Layout, metadata: Mapping[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    if layout.ties:  # a tied tensor is stored once; safetensors metadata holds only strings
+        header["__metadata__"][TIES_KEY] = json.dumps(layout.ties, sort_keys=True)
     for name, (start, end) in layout.offsets().items():
         spec = layout[name]
         header[name] = {
@@ -124,7 +132,13 @@ def parse_header(raw: bytes, file_size: int, source: str = "slot file") -> tuple
         raise IntegrityError(
             f"{source} is truncated: {file_size} bytes, its header describes {8 + n + cursor}"
         )
-    layout = Layout([spec for spec, _, _ in entries], alignment=1)
+    try:
+        ties = json.loads(metadata[TIES_KEY]) if TIES_KEY in metadata else {}
+        for alias in ties if isinstance(ties, dict) else ():
+            check_weight_name(str(alias))
+        layout = Layout([spec for spec, _, _ in entries], alignment=1, ties=ties)
+    except ValueError as exc:
+        raise IntegrityError(f"{source}: bad {TIES_KEY} metadata: {exc}") from None
     return layout, {str(k): str(v) for k, v in metadata.items()}, 8 + n
 
 

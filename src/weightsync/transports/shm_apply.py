@@ -197,9 +197,9 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
                     return None
                 time.sleep(_NAP_S)
             continue
-        views = model.tensors_of(slot)
+        views, ties = model.tensors_of(slot), model.layout.ties
         for name, tensor in dest.items():
-            tensor.data = views[name]
+            tensor.data = views[ties.get(name, name)]
         if model.held_slot is not None and model.held_slot != index:
             _unlock(model.control.fd, model.held_slot)
         model.held_slot = index

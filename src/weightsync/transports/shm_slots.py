@@ -52,6 +52,8 @@ _LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock 
 _WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
 _APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
 _PACKED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS  # per-slot: bytes packed of its version
+#: what the control block holds: a SharedMem scheme's most workers and slots
+MAX_WORKERS, MAX_SLOTS = _MAX_WORKERS, _SLOT_SPACE
 _PACK_FAILED = -1  # a slot's "bytes packed" word after its pack failed
 # per worker: a bit per CUDA slot it opened and has not released (slots 0..62 tracked)
 _OPENED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE

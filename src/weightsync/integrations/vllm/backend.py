@@ -36,7 +36,9 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from weightsync.integrations.vllm.extension import apply_exact
+from weightsync.core.checks import checked_int
+from weightsync.core.deadline import checked_timeout, positive_timeout
+from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
@@ -57,6 +59,13 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     timeout: float = 60.0
     num_workers: int | None = None
 
+    def __post_init__(self) -> None:
+        """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
+        self.directory = engine_directory(self.directory)
+        self.timeout = positive_timeout(self.timeout, "init_info timeout")
+        if self.num_workers is not None:
+            self.num_workers = checked_int(self.num_workers, "init_info num_workers", 1)
+
 
 @dataclass
 class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
@@ -65,6 +74,12 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
 
     version: int | None = None
     timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        """Versions are ints (3.9 or True is refused, never truncated); timeouts finite."""
+        if self.version is not None:
+            self.version = checked_int(self.version, "update_info version")
+        self.timeout = checked_timeout(self.timeout, "update_info timeout")
 
 
 def _worker_index() -> int:
@@ -130,7 +145,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             version = receiver.newest_committed()
             if version is None:
                 return
-        apply_exact(receiver, int(version), update_info.timeout)
+        apply_exact(receiver, version, update_info.timeout)
 
     def finish_weight_update(self) -> None:
         """Nothing to finalise: the version was loaded and post-processed whole."""

@@ -13,7 +13,10 @@ import logging
 from typing import Any
 
 from weightsync.core import errors
+from weightsync.core.checks import checked_int
+from weightsync.core.deadline import positive_timeout
 from weightsync.core.errors import WeightSyncError
+from weightsync.integrations.vllm.extension import engine_directory
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,8 @@ def connect_engine(llm: Any, directory: str, *, timeout: float = 60.0) -> int:
     workers' loads is then loaded by all of them). Raises ``SchemaMismatchError`` naming the
     key when the served model's layout differs from the slots', and
     ``WeightSyncTimeoutError`` when nothing is committed within ``timeout``."""
-    held = _call(llm, "connect", str(directory), None, float(timeout),
+    timeout = positive_timeout(timeout, "timeout")
+    held = _call(llm, "connect", engine_directory(directory), None, timeout,
                  _world(llm), action=f"connecting to {directory}")
     version = max(int(v) for v in held)
     if min(int(v) for v in held) != version:
@@ -92,6 +96,7 @@ def update_engine(
     ``weight_version`` is ``str(version)``. If any rank cannot load the version, the call
     raises ``WeightSyncError`` naming the rank, after bringing every rank back to one
     common version (the newest they can all load), so no rank is left on another."""
+    timeout = positive_timeout(timeout, "timeout")
     if mode not in SAFE_PAUSE_MODES:
         raise ValueError(
             f"mode must be one of {SAFE_PAUSE_MODES} (vLLM's 'keep' resumes requests on new "
@@ -105,7 +110,7 @@ def update_engine(
         if not newest:
             return None
         version = max(int(v) for v in newest)  # ranks are one engine: all take the newest
-    version = int(version)
+    version = checked_int(version, "version")
     if all(v == version for v in held):
         return None
     llm.sleep(level=0, mode=mode)  # vLLM's pause: queue new requests, drain or drop the rest

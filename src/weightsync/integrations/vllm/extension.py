@@ -4,8 +4,10 @@ and called by name through ``llm.collective_rpc``. Nothing here imports vLLM."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+from weightsync.core.checks import checked_int
 from weightsync.core.errors import WeightSyncError
 from weightsync.integrations.vllm.loading import EngineLoader
 from weightsync.schemes.double_buffer import (
@@ -29,14 +31,24 @@ def worker_rank(worker: Any) -> int:
     return replica * int(getattr(config, "world_size", 1) or 1) + rank
 
 
+def engine_directory(directory: object) -> str:
+    """The trainer's directory as an engine worker is told it: an absolute path (a worker's
+    working directory is not the trainer's, so a relative one would name another place)."""
+    if not isinstance(directory, (str, os.PathLike)) or not os.path.isabs(os.fspath(directory)):
+        raise ValueError(f"the weightsync directory must be an absolute path (engine workers do "
+                         f"not share the trainer's working directory), got {directory!r}")
+    return os.fspath(directory)
+
+
 def connect_receiver(
     worker: Any, directory: str, worker_idx: int | None, timeout: float, num_workers: int | None
 ) -> VLLMDoubleBufferWeightReceiver:
     """A receiver for ``worker`` on ``directory`` that loads through vLLM's reload path,
     connected: it holds the newest committed version (or raises within ``timeout``)."""
-    idx = worker_rank(worker) if worker_idx is None else int(worker_idx)
+    idx = worker_rank(worker) if worker_idx is None else checked_int(worker_idx, "worker_idx")
+    count = idx + 1 if num_workers is None else checked_int(num_workers, "num_workers", 1)
     scheme = VLLMDoubleBufferSyncScheme(
-        directory, num_workers=max(num_workers or idx + 1, idx + 1), timeout=timeout
+        engine_directory(directory), num_workers=max(count, idx + 1), timeout=timeout
     )
     receiver = scheme.create_receiver(worker_idx=idx)
     receiver.register_loader(EngineLoader(worker, f"vLLM worker {idx} ({directory})"))
@@ -48,6 +60,7 @@ def apply_exact(receiver: VLLMDoubleBufferWeightReceiver, version: int,
                 timeout: float | None) -> int:
     """Make ``receiver`` hold exactly ``version``: a no-op if it does, else load that
     committed version (``WeightSyncError`` if it is no longer in a slot)."""
+    version = checked_int(version, "version")
     if receiver.version == version:
         return version
     return int(receiver.apply_version(version, timeout=timeout))
@@ -107,7 +120,7 @@ class WeightSyncWorkerExtension:
     def weightsync_apply(self, version: int, timeout: float | None = None) -> int:
         """Hold exactly ``version`` (load it unless held already); raises
         ``WeightSyncError`` if it is no longer in a slot."""
-        return apply_exact(self._weightsync(), int(version), timeout)
+        return apply_exact(self._weightsync(), version, timeout)
 
     def weightsync_call(self, method: str, *args: Any) -> dict[str, Any]:
         """Run ``weightsync_<method>(*args)`` and report the outcome as data, so the driver

@@ -1,0 +1,125 @@
+"""Arguments that used to hang or fail bare: NaN, infinite, negative or string timeouts,
+empty or numpy ``worker_ids``, too many workers, float versions, relative directories. Each
+is refused at once with a ValueError that names the argument (or, for numpy ints, taken)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.integrations.vllm.extension import WeightSyncWorkerExtension, apply_exact
+
+BAD_TIMEOUTS = [float("nan"), float("inf"), -1.0, "1", True]
+
+
+def small_model() -> torch.nn.Module:
+    return torch.nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+def test_a_scheme_refuses_a_timeout_that_is_not_a_finite_number(timeout):
+    for scheme_cls in (ws.SharedMemWeightSyncScheme, ws.MultiProcessWeightSyncScheme):
+        with pytest.raises(ValueError, match="timeout"):
+            scheme_cls(num_workers=1, timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+def test_every_blocking_call_refuses_a_bad_timeout_at_once(tmp_path, timeout):
+    scheme = ws.VLLMDoubleBufferSyncScheme(tmp_path / "w", num_workers=1, timeout=5)
+    with scheme.create_sender() as sender:
+        sender.register_model(small_model())
+        sender.update_weights()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(small_model())
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="timeout"):
+            receiver.connect(timeout=timeout)
+        receiver.connect(timeout=5)
+        for call in (receiver.receive, lambda t: sender.send(timeout=t),
+                     lambda t: sender.connect(timeout=t), lambda t: sender.send_async(timeout=t)):
+            with pytest.raises(ValueError, match="timeout"):
+                call(timeout)
+        assert time.monotonic() - started < 2.0
+        receiver.close()
+    shm = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=5).create_receiver(0)
+    shm.register_model(small_model())
+    with pytest.raises(ValueError, match="timeout"):
+        shm.receive(timeout)  # before any wait: no trainer is needed to see it
+    shm.close()
+
+
+def test_worker_ids_empty_is_refused_and_numpy_ints_are_indices(tmp_path):
+    scheme = ws.VLLMDoubleBufferSyncScheme(tmp_path / "w", num_workers=2, timeout=5)
+    with scheme.create_sender() as sender:
+        sender.register_model(small_model())
+        sender.update_weights()
+        with pytest.raises(ValueError, match="worker_ids is empty"):
+            sender.send_async(worker_ids=[])
+        assert sender.version == 0  # nothing published, nobody's lag raised
+        with pytest.raises(ValueError, match=r"worker_ids.*float"):
+            sender.send_async(worker_ids=[1.0])
+        sender.send_async(worker_ids=np.int64(1))
+        assert sender.version == 1
+
+
+def test_shared_mem_refuses_more_workers_than_its_control_block_holds():
+    started = time.monotonic()
+    for count in (1025, 10**7):
+        with pytest.raises(ValueError, match="at most 1024"):
+            ws.SharedMemWeightSyncScheme(num_workers=count)
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(ValueError, match="max_slots"):
+        ws.SharedMemWeightSyncScheme(num_workers=4, max_slots=2000)
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1000)
+    with pytest.raises(ValueError, match="out of range"):
+        scheme.create_receiver(1050)
+
+
+def test_engine_versions_are_ints_or_refused(tmp_path):
+    scheme = ws.VLLMDoubleBufferSyncScheme(tmp_path / "w", num_workers=1, timeout=5)
+    with scheme.create_sender() as sender:
+        sender.register_model(small_model())
+        sender.update_weights()
+        sender.update_weights()
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(small_model())
+        receiver.connect(timeout=5)
+        for bad in (3.9, True, "1", 1.0):
+            with pytest.raises(ValueError, match="version must be an int"):
+                apply_exact(receiver, bad, 1.0)  # type: ignore[arg-type]
+        assert apply_exact(receiver, np.int64(1), 1.0) == 1
+        receiver.close()
+
+
+def test_the_extension_names_the_bad_argument():
+    ext = WeightSyncWorkerExtension()
+    with pytest.raises(ValueError, match="worker_idx must be an int >= 0, got int -1"):
+        ext.weightsync_connect("/tmp/weights", worker_idx=-1, timeout=1)
+    with pytest.raises(ValueError, match="num_workers"):
+        ext.weightsync_connect("/tmp/weights", worker_idx=0, timeout=1, num_workers="2")
+    with pytest.raises(ValueError, match="timeout"):
+        ext.weightsync_connect("/tmp/weights", worker_idx=0, timeout="5")
+    with pytest.raises(ValueError, match="absolute path"):
+        ext.weightsync_connect("relative/weights", worker_idx=0, timeout=1)
+
+
+def test_the_vllm_backend_checks_its_infos_once():
+    pytest.importorskip("vllm")
+    from weightsync.integrations.vllm.backend import WeightSyncInitInfo, WeightSyncUpdateInfo
+
+    for bad in (3.9, True, "3"):
+        with pytest.raises(ValueError, match="update_info version must be an int"):
+            WeightSyncUpdateInfo(version=bad)  # type: ignore[arg-type]
+    assert WeightSyncUpdateInfo(version=np.int64(3)).version == 3
+    with pytest.raises(ValueError, match="update_info timeout"):
+        WeightSyncUpdateInfo(version=1, timeout=float("nan"))
+    with pytest.raises(ValueError, match="init_info timeout"):
+        WeightSyncInitInfo(directory="/tmp/w", timeout="5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="init_info num_workers"):
+        WeightSyncInitInfo(directory="/tmp/w", num_workers="2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="absolute path"):
+        WeightSyncInitInfo(directory="weights")
