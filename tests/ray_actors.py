@@ -109,3 +109,25 @@ class Trainer:
 
     def node_id(self):
         return ray.get_runtime_context().get_node_id()
+
+
+def tied_model(tied: bool) -> torch.nn.Module:
+    """An embedding and an output head over one vocabulary, tied or not (as LLMs are)."""
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(64, 16),
+                                 "head": torch.nn.Linear(16, 64, bias=False)})
+    if tied:
+        model["head"].weight = model["embed"].weight
+    return model
+
+
+@ray.remote(num_cpus=0)
+class TiedCollector(RayWeightReceiverMixin):
+    def __init__(self, scheme, idx, tied):
+        self.model = tied_model(tied)
+        self.weightsync_setup(scheme, idx, self.model)
+
+    def state(self):
+        self.weightsync_receiver.poll()
+        embed, head = self.model["embed"].weight, self.model["head"].weight
+        return (self.weightsync_receiver.version, float(embed[0, 0]), float(head[0, 0]),
+                embed.data_ptr() == head.data_ptr())

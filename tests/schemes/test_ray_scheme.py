@@ -148,6 +148,35 @@ def test_layout_mismatch_fails_at_connect(actors):
         assert info.value.key is not None and info.value.key in str(info.value)
 
 
+def test_tied_weights_cross_once_and_stay_tied(ray_cluster, node_local):
+    from ray_actors import TiedCollector, tied_model
+
+    scheme = ws.RayWeightSyncScheme(num_workers=1, timeout=30, node_local=node_local)
+    actor = TiedCollector.remote(scheme, 0, True)
+    untied = ws.RayWeightSyncScheme(num_workers=1, timeout=30, node_local=node_local)
+    refusing = TiedCollector.remote(untied, 0, False)
+    try:
+        model = tied_model(True)
+        with torch.no_grad():
+            model["embed"].weight.fill_(2.0)
+        with scheme.create_sender([actor]) as sender:
+            sender.register_model(model)
+            assert sender.connect(timeout=60) == 0
+            assert sender.layout.nbytes == 64 * 16 * 4  # one tensor, once
+            assert ray.get(actor.state.remote(), timeout=30) == (0, 2.0, 2.0, True)
+            with torch.no_grad():
+                model["head"].weight.fill_(5.0)
+            assert sender.send(timeout=30) == 1
+            assert ray.get(actor.state.remote(), timeout=30) == (1, 5.0, 5.0, True)
+        with untied.create_sender([refusing]) as sender:
+            sender.register_model(tied_model(True))
+            with pytest.raises(ws.SchemaMismatchError, match="'head.weight' and 'embed.weight'"):
+                sender.connect(timeout=30)
+    finally:
+        ray.kill(actor)
+        ray.kill(refusing)
+
+
 def test_tear_free_hammer_with_threaded_actors(actors, node_local):
     scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, node_local=node_local)
     group = actors(scheme, 2, width=64, max_concurrency=2)

@@ -343,6 +343,12 @@ class Layout:
             views[spec.name] = bucket_views[index][start : start + spec.numel].view(spec.shape)
         return views
 
+    def named_views(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`tensor_views` plus each tied name, as the same view as the name it is
+        tied to: a flat dict whose own layout (``from_weights``) is this one, ties included."""
+        views = self.tensor_views(buffers)
+        return views | {alias: views[name] for alias, name in self.ties.items()}
+
     def pack(self, weights: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
              views: Sequence[torch.Tensor] | None = None) -> None:
         """Copy ``weights`` (already checked against this layout) into ``buffers``, through

@@ -182,7 +182,7 @@ class RayReader:
             return sums
         layout = self.transport.layout
         assert layout is not None
-        relay.publish(layout.tensor_views(buffers), followers, version, timeout)
+        relay.publish(layout.named_views(buffers), followers, version, timeout)
         self._relayed_now = True
         return None
 

@@ -18,7 +18,7 @@ def can_stream(layout: Layout, flat: Mapping[str, torch.Tensor]) -> bool:
     """True if ``flat`` can be packed chunk by chunk as raw bytes: CPU tensors only, each
     of the layout's dtype (no cast on the way)."""
     return set(layout.nbytes_by_device) == {"cpu"} and all(
-        t.device.type == "cpu" and t.dtype == layout[name].dtype for name, t in flat.items())
+        flat[s.name].device.type == "cpu" and flat[s.name].dtype == s.dtype for s in layout.specs)
 
 
 def streamed_pack(layout: Layout, flat: Mapping[str, torch.Tensor],

@@ -132,7 +132,7 @@ class RayWriter:
                 if self._latest_in_slot:
                     local.point_at_latest(local_keep)
                 else:
-                    local.publish(wire_layout.tensor_views(buffers), local_keep, version,
+                    local.publish(wire_layout.named_views(buffers), local_keep, version,
                                   deadline.remaining())
         elif local is not None and local.workers:  # one write into shared memory
             local.publish(flat, local_keep, version, deadline.remaining())
