@@ -271,3 +271,48 @@ def test_a_forked_child_cannot_send_or_release_the_parents_sender(directory):
         assert json.loads((directory / MANIFEST).read_text())["latest"]["version"] == 0
         assert run_in_child(_sender_alive, str(directory), timeout=20)  # still locked
         assert sender.update_weights() == 1
+
+
+def _trainer_on_a_small_file_system(directory: str, out) -> None:
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, timeout=5)
+    with scheme.create_sender() as small:
+        small.register_model({"w": torch.full((1000,), 7.0)})
+        small.update_weights()
+    big = scheme.create_sender()
+    big.register_model({"w": torch.ones(1_000_000)})  # 4 MB: more than the file system holds
+    try:
+        big.update_weights()
+        out.put(("sent", ""))
+    except OSError as exc:
+        out.put(("oserror", str(exc)))
+    big.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_a_full_file_system_is_an_os_error_naming_the_directory_and_the_last_version_stays():
+    """Slots are reserved before they are written through their mapping: on a full file
+    system the trainer used to die of SIGBUS mid-write."""
+    import multiprocessing as mp
+    import subprocess
+
+    mount = Path(tempfile.mkdtemp(prefix="ws-full-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],
+                   check=True, timeout=30)
+    try:
+        directory = mount / "weights"
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=_trainer_on_a_small_file_system, args=(str(directory), out))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0, f"the trainer died (exit code {proc.exitcode})"
+        kind, message = out.get(timeout=5)
+        assert kind == "oserror" and str(directory) in message
+        receiver = ws.VLLMDoubleBufferSyncScheme(directory, timeout=5).create_receiver(0)
+        receiver.register_model(weights_of := {"w": torch.zeros(1000)})
+        assert receiver.connect(timeout=5) == 0
+        assert torch.equal(weights_of["w"], torch.full((1000,), 7.0))
+        receiver.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
+        shutil.rmtree(mount, ignore_errors=True)

@@ -8,6 +8,7 @@ back. Checksums are wrapping sums of 64-bit words per bucket, computed while wri
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -199,6 +200,18 @@ def pack_with_checksums(
     return sums
 
 
+def reserve(fd: int, size: int, path: Path) -> None:
+    """Allocate the file's blocks now: a write through the mapping of a sparse file on a
+    full file system kills the process (SIGBUS), an OSError here names the directory."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
+            return
+        raise OSError(exc.errno, f"cannot reserve {size} bytes for {path.name} in "
+                      f"{path.parent}: {exc.strerror}; the last committed version stays") from None
+
+
 class SlotFile:
     """One slot: a safetensors file mapped in memory, with its ``fcntl`` lock."""
 
@@ -226,6 +239,7 @@ class SlotFile:
         try:
             os.write(fd, struct.pack("<Q", len(header)) + header)
             os.ftruncate(fd, 8 + len(header) + layout.nbytes)
+            reserve(fd, 8 + len(header) + layout.nbytes, path)
             os.replace(tmp, path)
         except BaseException:
             os.close(fd)
@@ -244,6 +258,8 @@ class SlotFile:
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
             raw = head + os.pread(fd, min(n, max(0, size - 8), _MAX_HEADER), 8)
             layout, _meta, start = parse_header(raw, size, str(path))
+            if writable:  # a slot file left sparse (truncated, copied) is filled in first
+                reserve(fd, size, path)
             return cls(path, fd, layout, start, writable)
         except BaseException:
             os.close(fd)
