@@ -7,10 +7,13 @@ worker holds the version moments after the pack ends instead of one more full co
 deadline: ``poll()`` then keeps the old version and the next call takes the new one).
 The wait is bounded by the pack itself, which lasts about as long as the copy a copy-mode
 ``poll()`` makes anyway; a pack that makes no progress for ``STALL_S`` (the trainer
-stopped or died) is given up. A model that took part of a version whose pack failed or
+stopped or died; ``POLL_STALL_S`` in a ``poll()``, which must not block, and which copies
+nothing until it has seen the pack move) is given up, and not followed again until it
+moves (``_ReceiverModel.stalled``): a dead trainer then surfaces as ``SenderLostError``
+at once. A model that took part of a version whose pack failed or
 stalled is given a whole version back (the sender's restored target, or the previous
 newest slot, kept intact during the pack) before the call returns: a model never holds
-a torn version.
+a torn version, and a version it held already is never reported as newly applied.
 
 Zero-copy mode points the model's tensors at read-only views of a slot, and only of a slot
 that is completely packed; ``poll()`` keeps the old version while the newest is packed,
@@ -42,6 +45,8 @@ from weightsync.transports.shm_slots import (
 
 #: a pack that makes no progress for this long is given up (the trainer stopped or died)
 STALL_S = 0.25
+#: the same for a ``poll()`` (a zero deadline): it must return at once, not wait for a pack
+POLL_STALL_S = 0.01
 #: how long a follower sleeps when it has caught up with the sender's pack
 _NAP_S = 0.0002
 
@@ -89,6 +94,10 @@ def _follow(model: _ReceiverModel, worker_idx: int, packed: int, slot: _Slot,
     sources = model.views_of(slot) if plan.reader_ok(dest) else None
     targets = plan.dest_views(dest) if sources is not None else []
     index, last_mark, last_move = 0, -2, time.monotonic()
+    # a poll() copies nothing until it has seen the pack move: a frozen trainer costs it
+    # POLL_STALL_S, not a copy and a restore
+    polling = deadline.expired()
+    stall_s, first_mark = (POLL_STALL_S if polling else STALL_S), ctrl[word]
     while True:
         mark = ctrl[word]
         if mark == plan.total:
@@ -105,10 +114,11 @@ def _follow(model: _ReceiverModel, worker_idx: int, packed: int, slot: _Slot,
         now = time.monotonic()
         if mark != last_mark:
             last_mark, last_move = mark, now
-        elif now - last_move > STALL_S:
+        elif now - last_move > stall_s:
+            model.stalled = (packed, mark)  # not followed again until it moves
             return False, index > 0
         copied = index
-        if sources is not None:
+        if sources is not None and (not polling or mark != first_mark):
             index = plan.copy_out(sources, targets, index, mark)
         if index == copied:
             time.sleep(_NAP_S)  # caught up: let the trainer pack the next piece
@@ -143,14 +153,23 @@ def copy_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torch
     """Copy the newest version into ``dest`` (following its pack if it is still running);
     returns it, or None (``dest`` untouched) if there is nothing newer to take now."""
     dirty = False  # dest holds part of a version that was given up
+
+    def restored(why: str) -> int | None:
+        # a whole version back in ``dest``: news only if it is not the one held already
+        version = _restore_previous(model, worker_idx, dest, why)
+        return None if version == held_version else version
+
     while True:
         found = newest_target(model, worker_idx, NO_VERSION if dirty else held_version,
                               deadline, wait_for_slot)
         if found is None:
-            if dirty:
-                return _restore_previous(model, worker_idx, dest, "no version to finish with")
-            return None
+            return restored("no version to finish with") if dirty else None
         packed, version, slot = found
+        if model.stalled is not None:
+            if model.stalled == (packed, model.ctrl[_PACKED_BASE + slot.index]):
+                # given up before and not moved since: copying it again would only stall again
+                return restored(f"the pack of version {version} stalled") if dirty else None
+            model.stalled = None
         if not _lock(model.control.fd, slot.index, exclusive=False):
             continue  # the sender holds it for a moment while it publishes there
         try:
@@ -165,9 +184,7 @@ def copy_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torch
         dirty = dirty or touched
         if model.ctrl[_HEADER_WORDS + worker_idx] == packed:  # stalled (or short), not failed
             if dirty:
-                return _restore_previous(
-                    model, worker_idx, dest,
-                    f"the trainer stopped packing version {version} for {STALL_S} s")
+                return restored(f"the trainer stopped packing version {version}")
             return None
 
 

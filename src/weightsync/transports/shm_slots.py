@@ -282,6 +282,9 @@ class _ReceiverModel:
         self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
         self._opened_bits = 0  # CUDA slots mapped here (their consumer count holds our one)
         self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
+        #: copy mode: (target, bytes packed) of a pack given up as stalled; not followed
+        #: again while both stay the same (see ``shm_apply``)
+        self.stalled: tuple[int, int] | None = None
 
     def views_of(self, slot: _Slot) -> list[list[torch.Tensor]]:
         """The typed views of each piece of ``slot`` (made once per slot; a reader uses them
