@@ -17,12 +17,20 @@ a torn version, and a version it held already is never reported as newly applied
 
 Zero-copy mode points the model's tensors at read-only views of a slot, and only of a slot
 that is completely packed; ``poll()`` keeps the old version while the newest is packed,
-``receive()`` waits for it. Every read happens under the slot's shared lock.
+``receive()`` waits for it. Every read happens under the slot's shared lock. A process
+forked from a zero-copy worker does not inherit that lock (``fcntl`` locks are per
+process): at the fork the child takes its own, copies the weights it views into private
+memory and lets it go, while the parent keeps the slot until the child has its lock.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -49,6 +57,7 @@ STALL_S = 0.25
 POLL_STALL_S = 0.01
 #: how long a follower sleeps when it has caught up with the sender's pack
 _NAP_S = 0.0002
+logger = logging.getLogger(__name__)
 
 
 WaitForSlot = Callable[[Deadline], None]
@@ -215,10 +224,96 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
                 time.sleep(_NAP_S)
             continue
         views, ties = model.tensors_of(slot), model.layout.ties
-        for name, tensor in dest.items():
-            tensor.data = views[ties.get(name, name)]
-        if model.held_slot is not None and model.held_slot != index:
-            _unlock(model.control.fd, model.held_slot)
-        model.held_slot = index
+        with _fork_guard:  # a fork sees the tensors and ``held_slot`` agree
+            if model.held_slot is not None and model.held_slot != index:
+                model.wait_for_forked_children()  # they lock it before it is let go
+            for name, tensor in dest.items():
+                tensor.data = views[ties.get(name, name)]
+            if model.held_slot is not None and model.held_slot != index:
+                _unlock(model.control.fd, model.held_slot)
+            model.held_slot = index
+            model.adopted = list(dest.values())
+            _viewing.add(model)
         model.ctrl[_APPLIED_BASE + worker_idx] = version
         return version
+
+
+# ---------------------------------------------------------------- fork of a zero-copy worker
+_viewing: weakref.WeakSet[_ReceiverModel] = weakref.WeakSet()  # models that adopted a slot
+_fork_guard = threading.Lock()  # held across a fork and around each re-pointing
+
+
+def _before_fork() -> None:
+    """A pipe per model that views a slot: its write end goes to the child, which closes
+    it once it holds its own lock (the parent keeps the slot until then)."""
+    _fork_guard.acquire()
+    for model in list(_viewing):
+        if model.held_slot is not None:
+            try:
+                read_end, model.fork_write_end = os.pipe()
+            except OSError:
+                logger.exception("no pipe for a fork of a zero-copy worker")
+                continue
+            model.fork_pipes.append(read_end)
+
+
+def _after_fork_in_parent() -> None:
+    try:
+        for model in list(_viewing):
+            if model.fork_write_end is not None:
+                os.close(model.fork_write_end)  # EOF once the child closes its copy too
+                model.fork_write_end = None
+    finally:
+        _fork_guard.release()
+
+
+def _after_fork_in_child() -> None:
+    """Turn the views of a slot the parent holds into private copies (the same tensor
+    objects get their own storage), under this process's own lock on the slot. Never
+    raises: a failure here is logged (the child's weights may then change under it)."""
+    try:
+        for model in list(_viewing):
+            try:
+                _copy_views_in_child(model)
+            except Exception:
+                logger.exception("a forked child could not copy the zero-copy weights it "
+                                 "inherited: they may change under it")
+        _viewing.clear()
+    finally:
+        _fork_guard.release()
+
+
+def _copy_views_in_child(model: _ReceiverModel) -> None:
+    index = model.held_slot
+    if index is None:
+        return
+    write_end, model.fork_write_end = model.fork_write_end, None
+    locked = _lock(model.control.fd, index, exclusive=False)
+    if write_end is not None:
+        os.close(write_end)  # the parent may let the slot go now: we hold it ourselves
+    try:
+        for tensor in model.adopted:
+            if tensor.device.type == "cpu":  # CUDA cannot be used in a forked child
+                tensor.data = _private_copy(tensor.data)
+    finally:
+        if locked:
+            _unlock(model.control.fd, index)
+        for read_end in model.fork_pipes:  # the parent's, for its other children
+            os.close(read_end)
+        model.fork_pipes.clear()
+        model.held_slot = None
+        model.adopted = []
+
+
+def _private_copy(view: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU view in this process's own memory; a plain ``memmove`` for a
+    contiguous one (no thread pool: OpenMP may hang in a forked child)."""
+    if not view.is_contiguous():
+        return view.clone()
+    copy = torch.empty_like(view)
+    ctypes.memmove(copy.data_ptr(), view.data_ptr(), view.numel() * view.element_size())
+    return copy
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

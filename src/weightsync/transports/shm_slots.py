@@ -20,6 +20,9 @@ slot's size; a pack that fails puts every target back on the previous whole vers
 from __future__ import annotations
 
 import fcntl
+import logging
+import os
+import select
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -60,6 +63,10 @@ _OPENED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE
 _OPENED_BITS = 63
 _CONTROL_NBYTES = (_HEADER_WORDS + 4 * _MAX_WORKERS + _SLOT_SPACE) * 8
 DEFAULT_MODEL_ID = "policy"
+#: the longest a zero-copy worker waits for a forked child to lock the slot it views
+FORK_LOCK_WAIT_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 def _pack_target(version: int, slot: int) -> int:
@@ -285,6 +292,12 @@ class _ReceiverModel:
         #: copy mode: (target, bytes packed) of a pack given up as stalled; not followed
         #: again while both stay the same (see ``shm_apply``)
         self.stalled: tuple[int, int] | None = None
+        #: zero-copy: the tensors whose ``.data`` views ``held_slot`` (a forked child makes
+        #: them private), and the read ends of pipes whose write ends forked children close
+        #: once they hold their own lock on that slot (see ``shm_apply``)
+        self.adopted: list[torch.Tensor] = []
+        self.fork_pipes: list[int] = []
+        self.fork_write_end: int | None = None  # the current fork's, between its two halves
 
     def views_of(self, slot: _Slot) -> list[list[torch.Tensor]]:
         """The typed views of each piece of ``slot`` (made once per slot; a reader uses them
@@ -334,7 +347,26 @@ class _ReceiverModel:
             self.ctrl[_OPENED_BASE + self._recorded[0]] = 0
             self._recorded = None
 
+    def wait_for_forked_children(self) -> None:
+        """Zero-copy, before this worker lets the slot it views go: wait (up to
+        ``FORK_LOCK_WAIT_S``) until every child forked since holds its own lock on it (or
+        has exited), so the sender cannot rewrite it while a child copies it."""
+        end = time.monotonic() + FORK_LOCK_WAIT_S
+        while self.fork_pipes:
+            read_end = self.fork_pipes[0]
+            ready, _, _ = select.select([read_end], [], [], max(0.0, end - time.monotonic()))
+            if ready and os.read(read_end, 64):
+                continue  # nothing is ever written: only the close (EOF) counts
+            if not ready:
+                logger.warning("a process forked from this zero-copy worker did not copy its "
+                               "weights within %.1f s: it may see them change", FORK_LOCK_WAIT_S)
+            os.close(read_end)
+            self.fork_pipes.pop(0)
+
     def close(self) -> None:
+        self.wait_for_forked_children()  # closing the fd drops this process's slot locks
+        self.held_slot = None
+        self.adopted = []
         self.forget_opened()
         self._views.clear()
         self._tensor_views.clear()
