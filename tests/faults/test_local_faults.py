@@ -399,3 +399,43 @@ def test_poll_never_blocks_on_a_slot_whose_handle_has_not_arrived():
     assert time.monotonic() - t0 < 0.5
     transport.close()
     sender_side.close()
+
+
+# ---------------------------------------------------------------- apply and close at once
+def apply_and_close_worker(scheme: Any, idx: int, out: Any, stop: Any, zero_copy: bool) -> None:
+    """Connect, wait until the trainer is inside its delivery, apply version 1, close."""
+    receiver = scheme.create_receiver(worker_idx=idx, zero_copy=zero_copy)
+    receiver.register_model(make_model())
+    receiver.connect(timeout=30)
+    out.put(("connected", idx, receiver.version))
+    time.sleep(0.3)  # the trainer has read our (old) version by now
+    t0 = time.monotonic()
+    while receiver.poll() is None and time.monotonic() - t0 < 10:
+        time.sleep(0.001)
+    out.put(("applied", idx, receiver.version))
+    receiver.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_shm_worker_that_applies_and_closes_during_delivery_is_not_lost(workers, monkeypatch,
+                                                                          zero_copy):
+    """The trainer reads the versions the targets hold, then looks for dead ones: a worker
+    that applies the version and says goodbye in between got it (no WorkerLostError)."""
+    from weightsync.transports import local_members
+
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=30)
+    workers.start(apply_and_close_worker, scheme, 0, zero_copy)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.connect(timeout=30)
+    assert _get(workers.out)[0] == "connected"
+    drop_dead = local_members.Members.drop_dead
+
+    def drop_dead_once_it_left(self: Any, worker_ids: list[int]) -> None:
+        workers.procs[0].join(10)  # the worker applied the version and closed meanwhile
+        drop_dead(self, worker_ids)
+
+    monkeypatch.setattr(local_members.Members, "drop_dead", drop_dead_once_it_left)
+    assert sender.send(timeout=30) == 1
+    assert _get(workers.out)[:3] == ("applied", 0, 1)
+    sender.close()

@@ -65,14 +65,23 @@ class SharedMemWriter:
         acks, a dead worker is found here or never: looked for after the wake-ups, so the
         live workers are not kept waiting by the look. A worker that already holds the
         version got it, even if it has left since."""
-        # shared memory first, then the table: ``_detach`` copies one into the other before
-        # the transport forgets it, so either read sees a version applied by a leaver
-        applied = {w: self.transport.applied_version(w) for w in targets}
-        with self.members.cond:
-            pending = [w for w in targets
-                       if max(applied[w], self.members.table.workers[w].version) < version]
+        pending = self._without_version(targets, version)
         self.members.drop_dead(pending)
-        return self.members.reachable(pending)[1]
+        # a worker may have applied the version and left since the look above (or be
+        # leaving: the hub drops its channel before ``_detach`` records its version): it
+        # is gone for good now, so one more look finds what it applied
+        lost = self.members.reachable(pending)[1]
+        still = set(self._without_version(list(lost), version))
+        return {w: why for w, why in lost.items() if w in still}
+
+    def _without_version(self, workers: list[int], version: int) -> list[int]:
+        """The workers that hold no ``version`` (or newer). Shared memory first, then the
+        table: ``_detach`` copies one into the other before the transport forgets it, so
+        either read sees a version applied by a worker that left before the first."""
+        applied = {w: self.transport.applied_version(w) for w in workers}
+        with self.members.cond:
+            return [w for w in workers
+                    if max(applied[w], self.members.table.workers[w].version) < version]
 
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
