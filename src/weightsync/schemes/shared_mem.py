@@ -36,8 +36,9 @@ class SharedMemConfig(SameHostConfig):
 class SharedMemWeightSyncScheme(LocalScheme):
     """Sync through shared memory: one packed write per send, whatever the worker count.
 
-    ``max_slots`` caps the copies kept in shared memory (default ``num_workers + 2``, enough
-    that a send never waits for a worker that is behind; two are used in steady state).
+    ``max_slots`` caps the copies kept in shared memory (default ``num_workers + 2``, plus
+    one per zero-copy receiver, which pins the slot it views: enough that a send never
+    waits for a worker that is behind; two are used in steady state).
     ``zero_copy`` is the default of ``create_receiver(i, zero_copy=None)``.
     """
 
@@ -56,7 +57,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
     def create_sender(self) -> WeightSender:
         c = self.config
         writer = SharedMemWriter(c.address, c.token, c.uid, c.num_workers,
-                                 max_slots=self.max_slots or c.num_workers + 2)
+                                 max_slots=self.max_slots)
         return WeightSender(self, writer, c.num_workers)
 
     def create_receiver(self, worker_idx: int = 0, zero_copy: bool | None = None) -> WeightReceiver:

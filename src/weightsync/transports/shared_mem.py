@@ -66,10 +66,12 @@ class SharedMemTransport:
         policy_weights: dict[str, Any] | None = None,
         auto_register: bool = True,
         *,
-        max_slots: int | None = None,
+        max_slots: int | None = None, grow_for_views: bool | None = None,
     ) -> None:
         self.auto_register = auto_register
         self._max_slots = max_slots
+        # the default pool makes room for the slot each zero-copy worker views
+        self._grow_for_views = max_slots is None if grow_for_views is None else grow_for_views
         self._lock = threading.RLock()
         self._channels: dict[int, Channel] = {}
         self._models: dict[str, _SenderModel] = {}
@@ -98,7 +100,7 @@ class SharedMemTransport:
         with self._lock:
             self._channels[worker_idx] = channel
             for model_id, model in self._models.items():
-                model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
+                model.forget_worker(worker_idx)
                 model.announce(model_id, channel)
                 if at_latest:
                     model.set_target(worker_idx, model.ctrl[_IDX_LATEST])
@@ -109,7 +111,7 @@ class SharedMemTransport:
             self._channels.pop(worker_idx, None)
             for model in self._models.values():
                 model.set_target(worker_idx, -1)
-                model.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
+                model.forget_worker(worker_idx)
                 model.take_back_opened(worker_idx)  # a dead CUDA worker's slots
 
     def register_weights(self, model_id: str, weights: Any) -> None:
@@ -124,7 +126,7 @@ class SharedMemTransport:
 
     def _create_model(self, model_id: str, flat: Mapping[str, torch.Tensor]) -> _SenderModel:
         max_slots = self._max_slots or max(len(self._channels), 1) + 2
-        model = _SenderModel(Layout.from_weights(flat), max(2, max_slots))
+        model = _SenderModel(Layout.from_weights(flat), max(2, max_slots), self._grow_for_views)
         model.new_slot()
         model.new_slot()
         self._models[model_id] = model

@@ -44,6 +44,7 @@ from weightsync.transports.shm_slots import (
     _IDX_PREVIOUS,
     _PACK_FAILED,
     _PACKED_BASE,
+    _VIEWING_BASE,
     _lock,
     _ReceiverModel,
     _Slot,
@@ -231,7 +232,8 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
                 tensor.data = views[ties.get(name, name)]
             if model.held_slot is not None and model.held_slot != index:
                 _unlock(model.control.fd, model.held_slot)
-            model.held_slot = index
+            model.held_slot, model.viewer = index, worker_idx
+            model.ctrl[_VIEWING_BASE + worker_idx] = index  # the sender counts it pinned
             model.adopted = list(dest.values())
             _viewing.add(model)
         model.ctrl[_APPLIED_BASE + worker_idx] = version

@@ -34,8 +34,12 @@ class SharedMemWriter:
     needs_acks = False  # a published slot is delivered: the next poll() takes it
 
     def __init__(self, address: str, token: str, uid: int, num_workers: int,
-                 max_slots: int) -> None:
-        self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
+                 max_slots: int | None) -> None:
+        """``max_slots`` None: ``num_workers + 2``, plus one per zero-copy worker (each
+        pins the slot it views besides its target)."""
+        self.transport = SharedMemTransport(
+            auto_register=True, max_slots=max_slots or num_workers + 2,
+            grow_for_views=max_slots is None)
         self.members = Members(address, token, uid, num_workers,
                                on_join=self.transport.attach_worker, on_lost=self._detach)
 

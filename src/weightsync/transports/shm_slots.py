@@ -8,7 +8,8 @@ in receive()" and the version it last applied, and per slot how many of its byte
 packed. Each slot is one full packed copy of the weights (a memfd segment on the CPU, a
 CUDA buffer shared by IPC on a GPU). A byte-range ``fcntl`` lock per slot, in the control
 segment's lock space, keeps the sender (exclusive) off a slot any worker reads (shared);
-the kernel drops a dead reader's lock.
+the kernel drops a dead reader's lock. A zero-copy worker also writes the slot it views:
+it pins that slot besides its target, and the default pool grows by one per such worker.
 
 A version is published before it is packed: the sender takes a free slot (exclusive lock:
 nobody reads it), points the workers at it with its "bytes packed" word at 0, lets the lock
@@ -61,7 +62,9 @@ _PACK_FAILED = -1  # a slot's "bytes packed" word after its pack failed
 # per worker: a bit per CUDA slot it opened and has not released (slots 0..62 tracked)
 _OPENED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE
 _OPENED_BITS = 63
-_CONTROL_NBYTES = (_HEADER_WORDS + 4 * _MAX_WORKERS + _SLOT_SPACE) * 8
+# per worker: the slot its model views (zero-copy, under its shared lock), -1 for none
+_VIEWING_BASE = _OPENED_BASE + _MAX_WORKERS
+_CONTROL_NBYTES = (_HEADER_WORDS + 5 * _MAX_WORKERS + _SLOT_SPACE) * 8
 DEFAULT_MODEL_ID = "policy"
 #: the longest a zero-copy worker waits for a forked child to lock the slot it views
 FORK_LOCK_WAIT_S = 2.0
@@ -115,9 +118,12 @@ class _Slot:
 class _SenderModel:
     """The sender's shared state for one model id: control block and slot pool."""
 
-    def __init__(self, layout: Layout, max_slots: int) -> None:
+    def __init__(self, layout: Layout, max_slots: int, grow_for_views: bool = False) -> None:
         self.layout = layout
         self.max_slots = max_slots
+        #: one more slot allowed per zero-copy worker (it pins the slot it views besides
+        #: its target): the default pool; a cap the user chose is kept
+        self.grow_for_views = grow_for_views
         self.control = Segment.create(_CONTROL_NBYTES)
         self.ctrl = self.control.view_int64()
         self.ctrl[_IDX_MAGIC] = _MAGIC
@@ -130,6 +136,7 @@ class _SenderModel:
             self.ctrl[_HEADER_WORDS + w] = -1
             self.ctrl[_APPLIED_BASE + w] = NO_VERSION
             self.ctrl[_OPENED_BASE + w] = 0
+            self.ctrl[_VIEWING_BASE + w] = -1
         self.slots: list[_Slot] = []
         # slot -> where torch counts the workers that opened its CUDA buffers
         self.cuda_counts: dict[int, set[ConsumerCount]] = {}
@@ -175,6 +182,15 @@ class _SenderModel:
 
     def applied(self, worker_idx: int) -> int:
         return self.ctrl[_APPLIED_BASE + worker_idx]
+
+    def viewing(self, worker_idx: int) -> int:
+        """The slot worker ``worker_idx``'s model views (zero-copy), -1 for none."""
+        return self.ctrl[_VIEWING_BASE + worker_idx]
+
+    def forget_worker(self, worker_idx: int) -> None:
+        """A worker (re)joins or leaves: nothing applied, nothing viewed."""
+        self.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
+        self.ctrl[_VIEWING_BASE + worker_idx] = -1
 
     def write(
         self, flat: Mapping[str, torch.Tensor], slot: _Slot, worker_ids: list[int],
@@ -236,17 +252,38 @@ class _SenderModel:
             for slot in self.slots:
                 if slot.index not in busy and _lock(self.control.fd, slot.index, exclusive=True):
                     return slot
-            if len(self.slots) < self.max_slots:
+            viewers = [w for w in worker_ids if self.viewing(w) >= 0]
+            cap = self.max_slots + (len(viewers) if self.grow_for_views else 0)
+            if len(self.slots) < min(cap, _SLOT_SPACE):
                 slot = self.new_slot()
                 announce(slot)
                 if _lock(self.control.fd, slot.index, exclusive=True):
                     return slot
             if deadline.expired():
                 raise WeightSyncTimeoutError(
-                    f"no free shared-memory slot for model {model_id!r} within "
-                    f"{deadline}: workers are still reading every slot"
+                    f"no free shared-memory slot for model {model_id!r} within {deadline} "
+                    f"({len(self.slots)} slots, max_slots={self.max_slots}): "
+                    f"{self._pins(worker_ids)}"
                 )
             time.sleep(0.0002)
+
+    def _pins(self, worker_ids: list[int]) -> str:
+        """Who keeps the slots from being rewritten, for the error of a send that found
+        none free."""
+        pins = []
+        for w in worker_ids:
+            what = []
+            if self.viewing(w) >= 0:
+                what.append(f"views slot {self.viewing(w)} (zero-copy)")
+            if self.target(w) >= 0 and self.target(w) != self.ctrl[_IDX_LATEST]:
+                version, index = _unpack_target(self.target(w))
+                what.append(f"has not taken version {version} (slot {index})")
+            if what:
+                pins.append(f"worker {w} " + " and ".join(what))
+        if not pins:
+            return "workers are still reading every slot"
+        return ("slots are pinned by workers that are behind: " + "; ".join(pins)
+                + " (a larger max_slots, or those workers' next poll(), frees one)")
 
     def take_back_opened(self, worker_idx: int) -> int:
         """Worker ``worker_idx`` is gone: take back the consumer counts it left on CUDA
@@ -287,6 +324,7 @@ class _ReceiverModel:
         self._views: dict[int, list[list[torch.Tensor]]] = {}  # slot -> its pieces' views
         self._tensor_views: dict[int, dict[str, torch.Tensor]] = {}  # slot -> each tensor
         self.held_slot: int | None = None  # zero-copy: the slot the model's views point into
+        self.viewer: int | None = None  # zero-copy: the worker index that views held_slot
         self._opened_bits = 0  # CUDA slots mapped here (their consumer count holds our one)
         self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
         #: copy mode: (target, bytes packed) of a pack given up as stalled; not followed
@@ -365,6 +403,8 @@ class _ReceiverModel:
 
     def close(self) -> None:
         self.wait_for_forked_children()  # closing the fd drops this process's slot locks
+        if self.held_slot is not None and self.viewer is not None:
+            self.ctrl[_VIEWING_BASE + self.viewer] = -1
         self.held_slot = None
         self.adopted = []
         self.forget_opened()
