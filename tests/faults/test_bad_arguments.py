@@ -123,3 +123,42 @@ def test_the_vllm_backend_checks_its_infos_once():
         WeightSyncInitInfo(directory="/tmp/w", num_workers="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="absolute path"):
         WeightSyncInitInfo(directory="weights")
+
+
+def test_a_trainer_model_moved_to_meta_after_connect_is_named(tmp_path):
+    model = small_model()
+    with ws.VLLMDoubleBufferSyncScheme(tmp_path / "w", timeout=5).create_sender() as sender:
+        sender.register_model(model)
+        sender.update_weights()
+        model.to("meta")
+        with pytest.raises(ValueError, match="key 'weight'.* meta device"):
+            sender.update_weights()
+
+
+def _zero_copy_worker_cast_to_half(scheme, idx, out, stop):
+    model = torch.nn.Linear(8, 8)
+    receiver = scheme.create_receiver(idx, zero_copy=True)
+    receiver.register_model(model)
+    receiver.connect(timeout=30)
+    model.half()
+    out.put(("cast", idx))
+    try:
+        receiver.receive(timeout=30)
+        out.put(("applied", idx, str(model.weight.dtype)))
+    except ws.SchemaMismatchError as exc:
+        out.put(("mismatch", idx, exc.key))
+    receiver.close()
+
+
+def test_a_zero_copy_model_cast_after_connect_is_refused_not_undone(workers):
+    from workers import drain
+
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=30)
+    workers.start(_zero_copy_worker_cast_to_half, scheme, 0)
+    with scheme.create_sender() as sender:
+        sender.register_model(torch.nn.Linear(8, 8))
+        sender.connect(timeout=30)
+        assert drain(workers.out, 1)[0][0] == "cast"
+        sender.send_async()
+        (kind, _idx, key), = drain(workers.out, 1)
+        assert (kind, key) == ("mismatch", "weight")

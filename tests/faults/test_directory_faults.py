@@ -3,6 +3,7 @@ deadlines, locks held by stuck processes. Real processes and real files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -313,6 +314,39 @@ def test_a_full_file_system_is_an_os_error_naming_the_directory_and_the_last_ver
         assert receiver.connect(timeout=5) == 0
         assert torch.equal(weights_of["w"], torch.full((1000,), 7.0))
         receiver.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
+        shutil.rmtree(mount, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_an_ack_the_full_file_system_refuses_is_retried_and_the_poll_still_applies():
+    import subprocess
+
+    mount = Path(tempfile.mkdtemp(prefix="ws-ackfull-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)],
+                   check=True, timeout=30)
+    try:
+        scheme = ws.VLLMDoubleBufferSyncScheme(mount / "w", timeout=5)
+        with scheme.create_sender() as sender:
+            sender.register_model(weights(1.0))
+            sender.update_weights()
+            receiver = scheme.create_receiver(0)
+            receiver.register_model(local := weights())
+            receiver.connect(timeout=5)
+            sender.update_weights(weights(2.0))
+            filler = mount / "filler"
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+            with contextlib.suppress(OSError):  # take every block left
+                while True:
+                    os.write(fd, b"\0" * 4096)
+            os.close(fd)
+            assert receiver.poll() == 1  # applied; the ack waits for space
+            assert float(local["w"][0]) == 2.0
+            filler.unlink()
+            assert receiver.poll() is None  # nothing newer, and the ack goes out now
+            assert json.loads(ack_path(mount / "w", 0).read_text())["version"] == 1
+            receiver.close()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
         shutil.rmtree(mount, ignore_errors=True)

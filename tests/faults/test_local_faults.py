@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from workers import checksum, echo_worker, fill_all, make_model
+from workers import checksum, drain, echo_worker, fill_all, make_model
 
 import weightsync as ws
 from weightsync.transports.local_address import AddressInUseError
@@ -439,3 +439,40 @@ def test_a_shm_worker_that_applies_and_closes_during_delivery_is_not_lost(worker
     assert sender.send(timeout=30) == 1
     assert _get(workers.out)[:3] == ("applied", 0, 1)
     sender.close()
+
+
+def _starved_in_handshake_worker(scheme, idx, out, stop):
+    """A worker that stalls inside its handshake (a loaded host) past the hub's limit."""
+    import weightsync.transports.local_link as local_link
+
+    real_read, calls = local_link.read_frame, []
+
+    def slow_first_read(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            time.sleep(1.5)
+        return real_read(*args, **kwargs)
+
+    local_link.read_frame = slow_first_read
+    receiver = scheme.create_receiver(idx)
+    receiver.register_model(make_model())
+    try:
+        out.put(("connected", idx, receiver.connect(timeout=30)))
+    except ws.WeightSyncError as exc:
+        out.put(("error", idx, f"{type(exc).__name__}: {exc}"))
+    stop.wait(30)
+    receiver.close()
+
+
+def test_a_worker_starved_in_its_handshake_joins_again_within_its_deadline(workers, monkeypatch):
+    """The hub closes a handshake after its own limit; a live trainer must not read as a
+    lost sender to a worker that was only slow, and the trainer's connect() succeeds."""
+    import weightsync.transports.local_hub as local_hub
+
+    monkeypatch.setattr(local_hub, "HANDSHAKE_TIMEOUT", 0.5)
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=30)
+    workers.start(_starved_in_handshake_worker, scheme, 0)
+    with scheme.create_sender() as sender:
+        sender.register_model(make_model())
+        assert sender.connect(timeout=30) == 0
+        assert drain(workers.out, 1) == [("connected", 0, 0)]

@@ -262,6 +262,11 @@ class Layout:
                     f"key {spec.name!r}: {expected_by} has {spec.describe()}, {given_by} has {got}",
                     key=spec.name, expected=spec.describe(), got=got,
                 )
+            if tensor.is_meta:
+                raise ValueError(
+                    f"key {spec.name!r} of {given_by} is on the meta device and holds no data "
+                    "(was the model moved to meta after register_model?)"
+                )
         if len(weights) != len(self.specs) + len(self.ties):
             extra = next(k for k in weights if k not in self._by_name and k not in self.ties)
             raise SchemaMismatchError(

@@ -6,6 +6,7 @@ acknowledge what was applied. It is the scheme's reader
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -31,6 +32,8 @@ from weightsync.transports.directory import (
     slot_path,
 )
 from weightsync.transports.directory_files import check_directory, write_json_atomic
+
+logger = logging.getLogger(__name__)
 
 #: How long a reader trusts that the sender it saw alive still is (seconds).
 ALIVE_RECHECK_S = 0.05
@@ -69,6 +72,7 @@ class DirectoryReader:
         self._alive_at = float("-inf")
         self._manifests = ManifestCache(directory)
         self._ack_path = ack_path(directory, worker_idx)
+        self._unwritten_ack: int | None = None  # applied, but its ack could not be written
 
     def manifest(self) -> Manifest | None:
         """The committed manifest; None while the directory or its manifest does not exist."""
@@ -132,10 +136,21 @@ class DirectoryReader:
             raise IntegrityError(f"{where}: checksum mismatch in bucket {bad}")
 
     def ack(self, version: int) -> None:
-        """Record that this worker holds ``version`` (atomically, never through a symlink)."""
-        write_json_atomic(self._ack_path,
-                          Ack(version, os.getpid(), self._host).to_json(),
-                          mode=self.mode, durable=False)
+        """Record that this worker holds ``version`` (atomically, never through a symlink).
+        The version is applied already: a file system that refuses the ack (full, read-only)
+        is logged and the ack retried at the next poll, instead of failing the apply."""
+        try:
+            write_json_atomic(self._ack_path,
+                              Ack(version, os.getpid(), self._host).to_json(),
+                              mode=self.mode, durable=False)
+        except OSError as exc:
+            if self._unwritten_ack != version:
+                logger.warning("worker %d holds version %d but cannot acknowledge it in %s: %s "
+                               "(retried at each poll; the trainer waits for it)",
+                               self.worker_idx, version, self.directory, exc)
+            self._unwritten_ack = version
+        else:
+            self._unwritten_ack = None
 
     def sender_alive(self) -> bool:
         """Whether a live sender holds the directory's lock; a positive answer is reused
@@ -159,6 +174,8 @@ class DirectoryReader:
         (the layout is checked against the slot at the first apply)."""
 
     def newer_available(self, version: int) -> bool:
+        if self._unwritten_ack is not None:
+            self.ack(self._unwritten_ack)
         manifest = self.manifest()
         return manifest is not None and manifest.for_worker(self.worker_idx).version > version
 

@@ -222,16 +222,18 @@ class Hub:
         proof = sender_proof(self._token, handshake.nonce, worker_nonce, idx)
         owner.admit(handshake.channel, hello, handshake.peer, proof)
 
-    def _refuse(self, handshake: _Handshake, why: str) -> None:
+    def _refuse(self, handshake: _Handshake, why: str, kind: str = "auth") -> None:
+        """Close a connection that did not authenticate; ``kind="expired"``: it was too slow
+        (a starved worker retries within its own deadline), "auth": it is refused."""
         logger.warning("refused a connection from pid %d: %s", handshake.peer.pid, why)
         with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
-            handshake.channel.send_nowait({"t": "refused", "kind": "auth", "error": why})
+            handshake.channel.send_nowait({"t": "refused", "kind": kind, "error": why})
         handshake.channel.close()
 
     def _expire_handshakes(self) -> None:
         now = time.monotonic()
         for fd in [fd for fd, h in self._handshakes.items() if now - h.started > HANDSHAKE_TIMEOUT]:
-            self._refuse(self._handshakes.pop(fd), "no hello in time")
+            self._refuse(self._handshakes.pop(fd), "no hello in time", kind="expired")
 
     def _read_from(self, idx: int, channel: Channel) -> None:
         owner = self._owner_ref()

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from weightsync.core.deadline import Deadline
@@ -49,6 +50,19 @@ logger = logging.getLogger(__name__)
 MessageEvent = Callable[[Message, Channel], bool]
 
 
+class HandshakeExpired(Exception):
+    """The hub closed this worker's handshake for taking too long (the worker was starved):
+    the trainer is alive, and the worker may try again within its deadline."""
+
+
+def _process_alive(pid: int) -> bool:
+    watch = ProcessWatch(pid)
+    try:
+        return not watch.dying()
+    finally:
+        watch.close()
+
+
 class LocalLink:
     """Worker ``worker_idx``'s authenticated connection to the trainer at ``address``."""
 
@@ -69,18 +83,31 @@ class LocalLink:
         #: called (from the reader thread) once the trainer is gone, to end a wait early
         self.on_sender_lost: Callable[[], None] | None = None
         self._stop = False
+        self._handshake_peer: int | None = None  # the verified trainer pid of a handshake
 
     # ------------------------------------------------------------------ joining
     def open(self, deadline: Deadline, on_message: MessageEvent) -> Channel:
         """Connect, authenticate both ways and start the reader thread."""
         if self.channel is not None:
             raise RuntimeError(f"worker {self.worker_idx} is already connected")
-        try:
-            channel = self._handshake(deadline)
-        except (ChannelTimeout, TimeoutError) as exc:
-            raise WeightSyncTimeoutError(f"worker {self.worker_idx}: {exc}") from exc
-        except (ChannelClosed, HandshakeError) as exc:
-            raise SenderLostError(f"worker {self.worker_idx}: sender hung up: {exc}") from exc
+        while True:
+            try:
+                channel = self._handshake(deadline)
+                break
+            except (ChannelTimeout, TimeoutError) as exc:
+                raise WeightSyncTimeoutError(f"worker {self.worker_idx}: {exc}") from exc
+            except (ChannelClosed, HandshakeError, HandshakeExpired) as exc:
+                # the hub gives a handshake 5 s: a worker starved longer (a loaded host) was
+                # cut off by a live trainer, and joins again within its own deadline
+                trainer = self._handshake_peer
+                alive = trainer is not None and _process_alive(trainer)
+                if not alive or deadline.expired():
+                    why = "its handshake took too long" if isinstance(exc, HandshakeExpired) else \
+                        "sender hung up"
+                    raise SenderLostError(f"worker {self.worker_idx}: {why}: {exc}") from exc
+                logger.info("worker %d: handshake cut short (%s); the trainer (pid %d) is alive: "
+                            "joining again", self.worker_idx, exc, trainer)
+                time.sleep(0.05)
         self.channel = channel
         self._on_message = on_message
         self._reader = threading.Thread(
@@ -94,6 +121,7 @@ class LocalLink:
         address (after the trainer died) learns nothing and is refused before anything it
         sends is used."""
         idx = self.worker_idx
+        self._handshake_peer = None
         channel = connect_channel(self.address, deadline.remaining())
         try:
             peer = peer_credentials(channel.socket)
@@ -108,6 +136,7 @@ class LocalLink:
                     f"{peer.pid}): it is neither the process that created the scheme (pid "
                     f"{self.creator_pid}) nor one of its descendants"
                 )
+            self._handshake_peer = peer.pid
             challenge = read_frame(channel.socket, deadline.remaining)
             sender_nonce = challenge.get("nonce")
             if challenge.get("t") != "challenge" or not isinstance(sender_nonce, str):
@@ -119,6 +148,8 @@ class LocalLink:
                 "proof": worker_proof(self.token, sender_nonce, nonce, idx),
             }, timeout=deadline.slice(10.0))
             reply = read_frame(channel.socket, deadline.remaining)
+            if reply.get("t") == "refused" and reply.get("kind") == "expired":
+                raise HandshakeExpired(f"the sender closed the handshake: {reply.get('error')}")
             if reply.get("t") == "refused":
                 raise WeightSyncError(
                     f"worker {idx}: the sender refused the connection: {reply.get('error')}"

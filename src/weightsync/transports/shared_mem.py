@@ -101,7 +101,8 @@ class SharedMemTransport:
             self._channels[worker_idx] = channel
             for model_id, model in self._models.items():
                 model.forget_worker(worker_idx)
-                model.announce(model_id, channel)
+                if not self._announce_model(worker_idx, model_id, model, channel):
+                    return
                 if at_latest:
                     model.set_target(worker_idx, model.ctrl[_IDX_LATEST])
 
@@ -130,9 +131,22 @@ class SharedMemTransport:
         model.new_slot()
         model.new_slot()
         self._models[model_id] = model
-        for channel in self._channels.values():
-            model.announce(model_id, channel)
+        for worker_idx, channel in list(self._channels.items()):
+            self._announce_model(worker_idx, model_id, model, channel)
         return model
+
+    def _announce_model(self, worker_idx: int, model_id: str, model: _SenderModel,
+                        channel: Channel) -> bool:
+        """Pass a worker a model's segments; a worker that hung up meanwhile (it refused the
+        layout, or died) is detached here and reported by the hub with its reason."""
+        try:
+            model.announce(model_id, channel)
+            return True
+        except (ChannelClosed, TimeoutError) as exc:
+            logger.info("worker %d hung up before taking model %r (%s); detaching it",
+                        worker_idx, model_id, exc)
+            self.detach_worker(worker_idx)
+            return False
 
     @staticmethod
     def _flatten(weights: Any) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import WeightSyncError
+from weightsync.core.errors import SchemaMismatchError, WeightSyncError
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.shm_slots import (
     _APPLIED_BASE,
@@ -225,6 +225,17 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
                 time.sleep(_NAP_S)
             continue
         views, ties = model.tensors_of(slot), model.layout.ties
+        for name, tensor in dest.items():  # the model changed (``model.half()``): refuse it
+            view = views[ties.get(name, name)]
+            if tensor.dtype != view.dtype or tensor.shape != view.shape:
+                if index != model.held_slot:
+                    _unlock(model.control.fd, index)
+                raise SchemaMismatchError(
+                    f"key {name!r}: the trainer sends shape {tuple(view.shape)} dtype {view.dtype}, "
+                    f"the worker's model now has shape {tuple(tensor.shape)} dtype {tensor.dtype} "
+                    "(a zero-copy model must not be cast or reshaped)",
+                    key=name, expected=(tuple(view.shape), view.dtype),
+                    got=(tuple(tensor.shape), tensor.dtype))
         with _fork_guard:  # a fork sees the tensors and ``held_slot`` agree
             if model.held_slot is not None and model.held_slot != index:
                 model.wait_for_forked_children()  # they lock it before it is let go
