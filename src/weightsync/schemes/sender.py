@@ -258,9 +258,11 @@ class WeightSender(Closable):
             raise RuntimeError("this sender is closed")
 
     def close(self) -> None:
-        """Release the transport; the workers learn that the sender left."""
+        """Release the transport and the model (its memory, a GPU's included, is the
+        caller's again); the workers learn that the sender left."""
         if self._closed:
             return
         self._closed = True
         self.writer.close()
+        self._model = self._own = self._pending = None
 

@@ -274,7 +274,10 @@ class SharedMemTransport:
                 layout = Layout.from_dict(message.header["layout"])
                 self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0])
             elif kind == "shm.slot":
-                self._receiver_models[message.header["model_id"]].add_slot(message)
+                model = self._receiver_models[message.header["model_id"]]
+                model.add_slot(message)
+                if self._worker_idx is not None:  # a slot opened while idle counts at once
+                    model.record_opened(self._worker_idx)
             else:
                 return False
             self._slot_arrived.notify_all()
@@ -334,6 +337,7 @@ class SharedMemTransport:
         handle has not arrived by ``deadline``). A version still being packed is copied as
         the sender packs it (see ``shm_apply``): the call lasts about one copy either way."""
         model = self._receiver_models[model_id]
+        self._worker_idx = worker_idx
         model.record_opened(worker_idx)
         return copy_newest(model, worker_idx, dest, held_version,
                            deadline, lambda d: self._wait_for_slot(d, pump))
@@ -347,6 +351,7 @@ class SharedMemTransport:
         completely packed by ``deadline`` (see ``shm_apply.adopt_newest``)."""
         self._adopts = True  # from now on, a version still being packed is not "published"
         model = self._receiver_models[model_id]
+        self._worker_idx = worker_idx
         model.record_opened(worker_idx)
         return adopt_newest(model, worker_idx, dest, held_version,
                             deadline, lambda d: self._wait_for_slot(d, None))
