@@ -34,7 +34,9 @@ def ray_cluster():
         num_cpus=2, include_dashboard=False, log_to_driver=False,
         _node_ip_address="127.0.0.1",  # test traffic stays on loopback
         object_store_memory=100 * 1024 * 1024,
-        runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}},
+        # the caller's PYTHONPATH too: actors must import the weightsync under test
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+            [TESTS_DIR, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}},
     )
     session_dir = ray._private.worker._global_node.get_session_dir_path()
     yield
