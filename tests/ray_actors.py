@@ -69,6 +69,14 @@ class Collector(RayWeightReceiverMixin):
             return type(exc).__name__
         return None
 
+    def poll_timed(self):
+        """(newer_published() before, what poll() returned, seconds poll() took)."""
+        receiver = self.weightsync_receiver
+        newer = receiver.newer_published()
+        t0 = time.monotonic()
+        applied = receiver.poll()
+        return newer, applied, time.monotonic() - t0
+
     def default_group_initialised(self):
         return torch.distributed.is_initialized()
 

@@ -4,6 +4,7 @@ broadcast every actor on another node takes, forced here with ``node_local=False
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from weightsync.integrations.torchrl import RAY_BACKEND, RayWeightSyncScheme  # 
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 HERE = os.path.dirname(os.path.abspath(__file__))
+logger = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +194,34 @@ def test_multi_collector_actors_are_refused(ray_cluster: None) -> None:
                      total_frames=200, collector_class=MultiSyncCollector,
                      weight_sync_schemes={"policy": scheme}, remote_configs={"num_cpus": 0.5})
     assert scheme.weightsync_scheme is None  # refused before any sender or rendezvous
+
+
+def test_batches_without_a_new_version_never_wait(ray_cluster: None) -> None:
+    """Regression: on the node-local path, a batch start with no newer version used to
+    block in receive(timeout) for the scheme's whole timeout (20 s here, per batch). Eight
+    batches between updates must take far less than one timeout, and an update still
+    reaches the next batch whole."""
+    policy = make_probe_policy()
+    fill_(policy, weight_value(1))
+    scheme = RayWeightSyncScheme(timeout=20)
+    between = 8
+    collector = ray_collector(policy, scheme, total_frames=100 * 2 * between, sync=True)
+    took: list[float] = []
+    try:
+        collector.update_policy_weights_()  # connects the actors: versions 0 and 1
+        batches = iter(collector)
+        for expected in (1, 2):
+            t0 = time.monotonic()
+            for i in range(between):
+                batch = next(batches)
+                assert [row_version(batch, row) for row in (0, 1)] == [expected] * 2, i
+            took.append(time.monotonic() - t0)
+            if expected == 1:
+                assert paths(collector) == ["node-local", "node-local"]
+                fill_(policy, weight_value(2))
+                collector.update_policy_weights_()
+                assert scheme.version == 2
+    finally:
+        collector.shutdown()
+    logger.info("%d batches between updates took %s s", between, took)
+    assert all(t < 10.0 for t in took), f"{between} batches between updates took {took} s"

@@ -498,3 +498,29 @@ def test_streamed_pack_fills_each_chunk_as_pack_would(monkeypatch):
         fill(index, chunk)
     assert all(torch.equal(got[d], expected[d]) for d in expected)
     assert not can_stream(layout, flat | {"a": flat["a"].double()})
+
+
+def test_poll_with_nothing_newer_returns_none_at_once(actors, node_local):
+    """Regression: on the node-local path newer_published() said yes whatever the version,
+    so callers that wait for a published version blocked for their whole timeout."""
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=20, node_local=node_local)
+    group = actors(scheme, 2)
+    model = make_model()
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        assert sender.connect(timeout=60) == 0
+        assert states(group) == [(0, checksum(model))] * 2  # version 0 applied by a poll
+        for _ in range(3):
+            for newer, applied, took in ray.get([a.poll_timed.remote() for a in group],
+                                                timeout=30):
+                assert (newer, applied) == (False, None)
+                assert took < 0.5, took
+        fill_all(model, 1.0)
+        assert sender.send(worker_ids=[0], timeout=30) == 1
+        answers = ray.get([a.poll_timed.remote() for a in group], timeout=30)
+        assert [a[:2] for a in answers] == [(True, 1), (False, None)]
+        assert all(took < 0.5 for _n, _a, took in answers), answers
+        answers = ray.get([a.poll_timed.remote() for a in group], timeout=30)
+        assert [a[:2] for a in answers] == [(False, None), (False, None)]
+        held = states(group)
+        assert held[0] == (1, checksum(model)) and held[1][0] == 0

@@ -151,12 +151,15 @@ class NodeLocalReceiver:
     def published_version(self) -> int:
         return self.transport.published_version(self.worker_idx)
 
-    def apply(self, dest: Mapping[str, torch.Tensor], held_version: int) -> int | None:
-        """Copy the newest version for this worker into ``dest`` if newer than ours."""
+    def apply(self, dest: Mapping[str, torch.Tensor], held_version: int,
+              deadline: Deadline) -> int | None:
+        """Copy the newest version for this worker into ``dest`` if newer than ours; a slot
+        whose handle has not come is waited for only until ``deadline`` (``poll()``: not at
+        all, since the sender's next call on this actor brings it)."""
         if self.layout is None:
             return None
         try:
-            return self.transport.apply_latest(self.worker_idx, dest, held_version, Deadline(1.0))
+            return self.transport.apply_latest(self.worker_idx, dest, held_version, deadline)
         except WeightSyncTimeoutError:  # its slot's handle has not come yet: next time
             return None
 

@@ -199,8 +199,10 @@ class RayReader:
         """Nothing to do: the sender checks the layout and joins this actor itself."""
 
     def newer_available(self, version: int) -> bool:
-        if self.transport.local is not None:
-            return True  # the shared slots say; apply_newest looks
+        """Whether a version newer than ``version`` waits for this actor (applies nothing)."""
+        local = self.transport.local
+        if local is not None:  # the version the sender's shared memory points this actor at
+            return local.published_version() > version
         staging = self._staging
         staged = None if staging is None else staging.staged_version
         return staged is not None and staged > version
@@ -211,7 +213,7 @@ class RayReader:
         IntegrityError (``dest`` untouched) if its bytes do not match the sender's sums."""
         local = self.transport.local
         if local is not None:
-            return local.apply(dest, version)
+            return local.apply(dest, version, deadline)
         if self._staging is not None:
             return self._staging.apply(dest, version)
         return None

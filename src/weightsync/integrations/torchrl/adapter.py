@@ -47,6 +47,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
     _weightsync_class: Callable[..., ws.WeightSyncScheme]
     #: attributes that stay in the process that made them (never pickled to a worker)
     _process_local: tuple[str, ...] = ("_sender", "_receiver", "_hooked", "_hook_handle")
+    #: whether a batch start waits (up to ``timeout``) for a version already published whose
+    #: bytes are still on their way: only where they come while this thread waits
+    _wait_for_published: bool = True
 
     def __init__(self, strategy: str = "tensordict", sync: bool = True, *,
                  timeout: float = 60.0, connect_timeout: float = 300.0) -> None:
@@ -314,7 +317,7 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         self._follow_model(receiver)
         try:
             version = receiver.poll()
-            if version is None and _published_beyond(receiver):
+            if version is None and self._wait_for_published and _published_beyond(receiver):
                 # shared memory: the version is published but its new slot's handle is still
                 # on its way (poll never waits for it); it arrives within milliseconds
                 version = receiver.receive(timeout=self.timeout)

@@ -105,6 +105,9 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
     ``checksums`` (as for ``weightsync.RayWeightSyncScheme``)."""
 
     _process_local = (*WeightsyncTorchRLScheme._process_local, _ACTOR_END)
+    # a collector actor runs one call at a time: what a version still lacks comes with the
+    # sender's next call on it, which cannot run while a batch start waits for it
+    _wait_for_published = False
 
     def __init__(self, strategy: str = "tensordict", backend: str = "gloo", *,
                  sync: bool = True, timeout: float = 60.0, connect_timeout: float = 300.0,
