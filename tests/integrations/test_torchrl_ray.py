@@ -225,3 +225,27 @@ def test_batches_without_a_new_version_never_wait(ray_cluster: None) -> None:
         collector.shutdown()
     logger.info("%d batches between updates took %s s", between, took)
     assert all(t < 10.0 for t in took), f"{between} batches between updates took {took} s"
+
+
+def test_policy_without_weights_syncs_nothing(ray_cluster: None) -> None:
+    """A policy with no tensors (RandomPolicy) has nothing to sync, as with TorchRL's own
+    scheme: the collector builds and collects, and updates are no-ops."""
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.envs.utils import RandomPolicy
+
+    spec = make_cartpole().action_spec
+    scheme = RayWeightSyncScheme(timeout=20)
+    collector = RayCollector([make_cartpole] * 2, RandomPolicy(spec), frames_per_batch=100,
+                             total_frames=300, weight_sync_schemes={"policy": scheme},
+                             remote_configs={"num_cpus": 0.5})
+    try:
+        collector.update_policy_weights_()
+        t0 = time.monotonic()
+        frames = 0
+        for batch in collector:
+            frames += batch.numel()
+            collector.update_policy_weights_()
+        assert frames == 300 and time.monotonic() - t0 < 15
+        assert scheme.weightsync_scheme is None  # no sender, no rendezvous: nothing to move
+    finally:
+        collector.shutdown()

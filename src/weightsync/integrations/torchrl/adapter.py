@@ -21,6 +21,7 @@ from weightsync.integrations.torchrl.collector_hooks import (
     chain_pre_collect_hook,
     close_with,
     flat_weights,
+    holds_weights,
     materialize_meta_module,
     model_in_collector,
     tag_policy_version,
@@ -62,6 +63,7 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         self._ws: ws.WeightSyncScheme | None = None   # picklable: travels to the workers
         self._worker_devices: list[str] = []
         self._local = False                            # a single-process Collector
+        self._no_weights = False                       # a policy without tensors: no-op sync
         self._sender: ws.WeightSender | None = None
         self._pending_async = False
         self._receiver: ws.WeightReceiver | None = None
@@ -116,6 +118,11 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
                              "or a collector (context=) that holds the model")
         if model is not None:
             self.model = model
+        if not holds_weights(source):
+            self._no_weights = True  # nothing to sync (TorchRL's schemes send nothing either)
+            logger.info("%s for %r: the policy has no weights, nothing to sync",
+                        type(self).__name__, self.model_id)
+            return
         if self._local:
             return
         if devices is not None:
@@ -144,7 +151,7 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
                                                      weights: Any = None) -> None:
-        if self._local:
+        if self._local or self._no_weights:
             return
         sender = self._require_sender()
         if weights is not None:
@@ -168,6 +175,11 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
                              "send the same weights to a subset with worker_ids= instead")
         if isinstance(weights, str):
             weights = _resolve_model(self.context, weights)
+        if self._no_weights:
+            if weights is not None and holds_weights(weights):
+                raise ValueError(f"{type(self).__name__}: weights sent for {self.model_id!r}, "
+                                 "whose policy has no weights to receive them")
+            return
         if self._local:
             self._send_local(weights)
             return
@@ -228,6 +240,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         idx = self.worker_idx if worker_idx is None else worker_idx
         if idx is None:
             raise RuntimeError(f"{type(self).__name__}: connect() on a worker needs its worker_idx")
+        if self._no_weights:
+            self.worker_idx = idx
+            return
         if self._ws is None:
             raise RuntimeError(
                 f"worker {idx}: this scheme was never initialised on the trainer "

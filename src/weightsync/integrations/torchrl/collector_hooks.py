@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
-from weightsync.core.strategy import flat_tensors
+from weightsync.core.strategy import flat_tensors, is_tensordict
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,15 @@ def flat_weights(weights: Any, what: str) -> dict[str, torch.Tensor]:
     weightsync's flat ``name -> tensor`` mapping."""
     flat = flat_tensors(weights, what=what)
     return {k: v for k, v in flat.items() if k.split(".", 1)[0] not in _NOT_WEIGHTS}
+
+
+def holds_weights(source: Any) -> bool:
+    """Whether ``source`` has tensors to sync. A policy that is no module, TensorDict or
+    mapping (TorchRL's ``RandomPolicy``), or one without tensors, has none: as with
+    TorchRL's own schemes, there is nothing to sync for it."""
+    if not isinstance(source, (torch.nn.Module, Mapping)) and not is_tensordict(source):
+        return False
+    return bool(flat_weights(source, "weights"))
 
 
 class ClosableEnd(Protocol):

@@ -140,6 +140,8 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
             num_workers = len(self._actors)
         super()._init_on_sender_impl(model_id=model_id, context=context,
                                      num_workers=num_workers, **kwargs)
+        if self._no_weights:
+            return
         if len(self._worker_devices) != len(self._actors):
             raise ValueError(f"{type(self).__name__}: {len(self._actors)} collector actors but "
                              f"{len(self._worker_devices)} policy devices")
@@ -158,6 +160,8 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
                                **kwargs: Any) -> None:
         _refuse_multi_collector(type(context))
         super()._init_on_receiver_impl(model_id=model_id, context=context, **kwargs)
+        if self._no_weights:
+            return  # the policy has no weights: no receiver, nothing to apply
         idx = self.worker_idx
         if idx is None or self._ws is None:
             raise RuntimeError(f"{type(self).__name__}: a collector actor needs its worker_idx "
@@ -177,6 +181,8 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
                                                        worker_idx: int | None = None) -> None:
         """Never waits: in a Ray actor that runs one call at a time, the sender's calls (the
         group join, version 0) run after this one returns. The first batch applies them."""
+        if self._no_weights:
+            return
         if self._receiver is None:
             raise RuntimeError(f"worker {self.worker_idx}: connect() before init_on_receiver()")
         self.poll()
