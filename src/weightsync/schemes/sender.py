@@ -264,5 +264,5 @@ class WeightSender(Closable):
             return
         self._closed = True
         self.writer.close()
-        self._model = self._own = self._pending = None
+        self._model = self._own = None
 
