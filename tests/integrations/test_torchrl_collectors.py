@@ -198,6 +198,72 @@ def test_killed_worker_is_named_not_a_hang() -> None:
     assert weightsync_threads() == []
 
 
+def test_policy_factory_without_a_policy_instance() -> None:
+    """MultiSyncCollector given only a policy_factory (what TorchRL's Evaluator builds in
+    process mode): version 0 is a factory-made policy's weights, as with TorchRL's own
+    schemes; the trainer's update_policy_weights_(weights) reaches the next batch."""
+    from tensordict import TensorDict
+
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    collector = MultiSyncCollector([make_cartpole], policy_factory=make_probe_policy,
+                                   frames_per_batch=50, total_frames=150,
+                                   weight_sync_schemes={"policy": scheme})
+    procs = list(collector.procs)
+    trainer = make_probe_policy()
+    try:
+        batches = iter(collector)
+        assert set(next(batches)["probe_min"].reshape(-1).tolist()) == {0.0}  # factory's
+        for version in (1, 2):
+            fill_(trainer, BASE + version)
+            collector.update_policy_weights_(TensorDict.from_module(trainer).data)
+            assert scheme.version == version
+            assert set(probe_versions(next(batches)).reshape(-1).tolist()) == {version}
+    finally:
+        collector.shutdown()
+    assert not wait_dead(procs)
+    assert weightsync_threads() == []
+
+
+def test_evaluator_in_process_mode_with_weights() -> None:
+    """TorchRL's Evaluator(backend="process") builds a MultiSyncCollector from a
+    policy_factory alone and sends evaluate(weights=...) through the scheme."""
+    from tensordict import TensorDict
+    from torchrl.collectors import Evaluator
+
+    def probe_metrics(batch: Any) -> dict[str, float]:
+        return {"probe": float(batch["probe_max"].max()), "low": float(batch["probe_min"].min())}
+
+    evaluator = Evaluator(make_cartpole, policy_factory=make_probe_policy, backend="process",
+                          weight_sync_schemes={"policy": MultiProcessWeightSyncScheme(timeout=60)},
+                          num_trajectories=1, max_steps=20, metrics_fn=probe_metrics,
+                          dump_video=False)
+    trainer = make_probe_policy()
+    try:
+        for version in (1, 2):
+            fill_(trainer, BASE + version)
+            result = evaluator.evaluate(weights=TensorDict.from_module(trainer).data)
+            probes = {v for k, v in result.items() if k.endswith(("probe", "low"))}
+            assert probes == {BASE + version}, result
+    finally:
+        evaluator.shutdown()
+
+
+def test_stateless_policy_factory_is_refused_as_torchrl_refuses_it() -> None:
+    """A policy factory making a policy without weights (RandomPolicy) has nothing to
+    sync: the process schemes refuse it at construction, as TorchRL's own do (TypeError),
+    rather than failing to find the policy."""
+    from torchrl.envs.utils import RandomPolicy
+    from torchrl.weight_update import MultiProcessWeightSyncScheme as TorchRLProcessScheme
+
+    def stateless() -> RandomPolicy:
+        return RandomPolicy(make_cartpole().action_spec)
+
+    for scheme in (TorchRLProcessScheme(), MultiProcessWeightSyncScheme(timeout=30)):
+        with pytest.raises(TypeError, match="RandomPolicy"):
+            MultiSyncCollector([make_cartpole], policy_factory=stateless, frames_per_batch=50,
+                               total_frames=100, weight_sync_schemes={"policy": scheme})
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ray_collector_on_the_trainers_node() -> None:

@@ -22,6 +22,7 @@ from weightsync.integrations.torchrl.collector_hooks import (
     close_with,
     flat_weights,
     holds_weights,
+    is_weights_container,
     materialize_meta_module,
     model_in_collector,
     tag_policy_version,
@@ -51,6 +52,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
     #: whether a batch start waits (up to ``timeout``) for a version already published whose
     #: bytes are still on their way: only where they come while this thread waits
     _wait_for_published: bool = True
+    #: whether a policy that is no module (TorchRL's ``RandomPolicy``) is taken, with nothing
+    #: to sync (TorchRL's Ray scheme), or refused (TorchRL's process schemes refuse it)
+    _accepts_stateless_policy: bool = False
 
     def __init__(self, strategy: str = "tensordict", sync: bool = True, *,
                  timeout: float = 60.0, connect_timeout: float = 300.0) -> None:
@@ -119,6 +123,12 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         if model is not None:
             self.model = model
         if not holds_weights(source):
+            if not (self._local or self._accepts_stateless_policy
+                    or is_weights_container(source)):
+                raise TypeError(
+                    f"{type(self).__name__} needs an nn.Module policy, got "
+                    f"{type(source).__name__}: a policy without weights (e.g. RandomPolicy) "
+                    "needs no weight sync scheme (TorchRL's process schemes refuse it too)")
             self._no_weights = True  # nothing to sync (TorchRL's schemes send nothing either)
             logger.info("%s for %r: the policy has no weights, nothing to sync",
                         type(self).__name__, self.model_id)

@@ -26,13 +26,16 @@ def flat_weights(weights: Any, what: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in flat.items() if k.split(".", 1)[0] not in _NOT_WEIGHTS}
 
 
+def is_weights_container(source: Any) -> bool:
+    """Whether ``source`` is something weights live in: a module, TensorDict or mapping."""
+    return isinstance(source, (torch.nn.Module, Mapping)) or is_tensordict(source)
+
+
 def holds_weights(source: Any) -> bool:
     """Whether ``source`` has tensors to sync. A policy that is no module, TensorDict or
     mapping (TorchRL's ``RandomPolicy``), or one without tensors, has none: as with
     TorchRL's own schemes, there is nothing to sync for it."""
-    if not isinstance(source, (torch.nn.Module, Mapping)) and not is_tensordict(source):
-        return False
-    return bool(flat_weights(source, "weights"))
+    return is_weights_container(source) and bool(flat_weights(source, "weights"))
 
 
 class ClosableEnd(Protocol):
@@ -45,20 +48,25 @@ class ClosableEnd(Protocol):
 
 
 def model_in_collector(collector: Any, model_id: str) -> Any:
-    """The trainer's model in ``collector``, found as TorchRL's own schemes find it (the
-    attribute path first, then ``get_model``, then a uniform policy factory)."""
+    """The trainer's model in ``collector``, found as TorchRL's own schemes find it: the
+    attribute path first, then (the policy of a collector given only a ``policy_factory``)
+    a policy the factory makes, whose weights are version 0; then ``get_model``, which
+    raises for a policy the trainer does not hold."""
     from torchrl.weight_update.utils import _resolve_model
 
     try:
         model = _resolve_model(collector, model_id)
     except AttributeError:
         model = None
-    if model is None and hasattr(collector, "get_model"):
-        model = collector.get_model(model_id)
     if model is None and model_id == "policy":
-        factories = [f for f in (getattr(collector, "policy_factory", None) or []) if f]
+        factories = getattr(collector, "policy_factory", None) or []
+        if callable(factories):
+            factories = [factories]
+        factories = [f for f in factories if f]
         if factories:
             model = factories[0]()
+    if model is None and hasattr(collector, "get_model"):
+        model = collector.get_model(model_id)
     if model is None:
         raise ValueError(f"no model {model_id!r} found in {type(collector).__name__}")
     return model

@@ -108,6 +108,7 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
     # a collector actor runs one call at a time: what a version still lacks comes with the
     # sender's next call on it, which cannot run while a batch start waits for it
     _wait_for_published = False
+    _accepts_stateless_policy = True  # as TorchRL's RayWeightSyncScheme: nothing to sync
 
     def __init__(self, strategy: str = "tensordict", backend: str = "gloo", *,
                  sync: bool = True, timeout: float = 60.0, connect_timeout: float = 300.0,
