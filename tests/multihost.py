@@ -125,10 +125,16 @@ class TwoHostCluster:
         _run("ip", "-n", self.ns_b, "link", "set", self.veth_b, "up")
 
     # ------------------------------------------------------------------ ray
+    def _python_path(self) -> str:
+        """The tests' directory, then the caller's PYTHONPATH: actors must import the
+        weightsync under test, not the one installed in the venv."""
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return os.pathsep.join([self.tests_dir, *inherited])
+
     def _ray_start(self, ns: str, *args: str, env: dict[str, str] | None = None) -> None:
         cmd = ["ip", "netns", "exec", ns, str(VENV_BIN / "ray"), "start", "--num-cpus=1",
                "--object-store-memory=80000000", "--disable-usage-stats", *args]
-        run_env = os.environ | {"PYTHONPATH": self.tests_dir, "RAY_USAGE_STATS_ENABLED": "0",
+        run_env = os.environ | {"PYTHONPATH": self._python_path(), "RAY_USAGE_STATS_ENABLED": "0",
                                 "RAY_AUTH_MODE": "token"}  # Ray's token (~/.ray/auth_token)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                               env=run_env | (env or {}))
@@ -151,7 +157,7 @@ class TwoHostCluster:
         self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
         _setns(f"/run/netns/{self.ns_a}")  # the driver lives on host A
         ray.init(address=self.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": self.tests_dir}})
+                 runtime_env={"env_vars": {"PYTHONPATH": self._python_path()}})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
