@@ -151,6 +151,20 @@ def test_restarted_trainer_waits_for_a_worker_whose_old_ack_names_a_dead_pid(dir
             sender.connect(timeout=1)
 
 
+def test_a_temp_file_of_another_pid_namespace_is_not_judged_by_its_pid(directory):
+    """A sender starting up removes temp files of dead writers; one written in another pid
+    namespace (its name's tag differs) is left alone while young: its pid means nothing here."""
+    foreign = directory / ".ack-0.json.tmp-1.0badc0de-0123456789ab"  # pid 1 elsewhere
+    old_foreign = directory / ".ack-1.json.tmp-1.0badc0de-ba9876543210"
+    dead_here = directory / ".ack-2.json.tmp-999999999-0123456789ab"  # older name format
+    for path in (foreign, old_foreign, dead_here):
+        path.write_bytes(b"{}")
+    os.utime(old_foreign, (time.time() - 3600, time.time() - 3600))
+    with ws.VLLMDoubleBufferSyncScheme(directory, timeout=5).create_sender():
+        assert foreign.exists()
+        assert not old_foreign.exists() and not dead_here.exists()
+
+
 def test_stray_slot_files_are_not_turned_into_slots(directory):
     for index in range(2, 42):
         slot_path(directory, index).touch(mode=0o600)

@@ -1,4 +1,11 @@
-"""Is a process of this host still alive? Read from /proc, cheap enough for every send."""
+"""Is a process of this host still alive? Read from /proc, cheap enough for every send.
+
+A pid names a process only inside one pid namespace of one running kernel: two containers
+on one host each have their pid 1, and hostnames say nothing about either. :func:`pid_scope`
+names that space, so a pid written by one process is judged by another only when both see
+the same pid numbers (otherwise the caller must use something namespace-proof, such as a
+held ``fcntl`` lock, or wait for its deadline).
+"""
 
 from __future__ import annotations
 
@@ -80,6 +87,45 @@ class ProcessWatch:
 
     def __del__(self) -> None:
         self.close()
+
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_scope: list[str | None] = []  # this process's pid_scope(), once read
+
+
+def _forget_scope() -> None:
+    _scope.clear()
+
+
+os.register_at_fork(after_in_child=_forget_scope)  # a child may be in a new pid namespace
+
+
+def _read_pid_scope() -> str | None:
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None  # this /proc belongs to another pid namespace than ours
+        with open(_BOOT_ID, "rb") as handle:
+            boot = handle.read(64).strip().decode("ascii")
+        ns = os.stat("/proc/self/ns/pid")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return f"{boot}/{ns.st_dev}:{ns.st_ino}" if boot else None
+
+
+def pid_scope() -> str | None:
+    """The space this process's pids are numbered in: the kernel's boot (``boot_id``, shared
+    by every container of a host, different on every host and after a reboot) and the pid
+    namespace (device and inode of ``/proc/self/ns/pid``). A pid another process recorded
+    can be checked in this process's /proc only if both recorded equal scopes. None when
+    this process cannot tell (no /proc, or a /proc of another pid namespace)."""
+    if not _scope:
+        _scope.append(_read_pid_scope())
+    return _scope[0]
+
+
+def judged_by_pid(scope: str | None) -> bool:
+    """Whether a pid recorded under ``scope`` names a process of this process's /proc."""
+    return scope is not None and scope == pid_scope()
 
 
 def parent_pid(pid: int) -> int | None:

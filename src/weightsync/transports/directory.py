@@ -202,14 +202,18 @@ class ManifestCache:
 
 @dataclass(frozen=True)
 class Ack:
-    """A worker's acknowledgement: the version it holds, and which process wrote it."""
+    """A worker's acknowledgement: the version it holds, and which process wrote it: its pid
+    and the space that pid is numbered in (:func:`~weightsync.core.liveness.pid_scope`;
+    None when unknown, as in acks of older versions). ``host`` is for messages only."""
 
     version: int
     pid: int
     host: str
+    scope: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "pid": self.pid, "host": self.host, "at": time.time()}
+        return {"version": self.version, "pid": self.pid, "host": self.host,
+                "pidns": self.scope, "at": time.time()}
 
 
 def read_ack(directory: Path, worker_idx: int) -> Ack | None:
@@ -221,15 +225,29 @@ def read_ack(directory: Path, worker_idx: int) -> Ack | None:
     host = obj.get("host")
     if not isinstance(host, str):
         raise IntegrityError(f"{path}: host must be a string, got {host!r}")
+    scope = obj.get("pidns")
+    if scope is not None and not (isinstance(scope, str) and len(scope) <= 256):
+        raise IntegrityError(f"{path}: pidns must be a short string or null, got {scope!r:.80}")
     return Ack(_int(obj.get("version"), "version", path, minimum=-1),
-               _int(obj.get("pid"), "pid", path, minimum=1), host)
+               _int(obj.get("pid"), "pid", path, minimum=1), host, scope)
+
+
+def _file_id(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 class SenderLock:
     """An exclusive lock on ``sender.lock`` held for a sender's lifetime: one sender per
-    directory, and receivers can tell whether a live sender exists."""
+    directory, and receivers can tell whether a live sender exists by trying to take it.
 
-    _held_here: set[Path] = set()  # POSIX locks do not conflict within one process
+    The lock itself is the liveness: the kernel drops it when the sender dies, whatever pid
+    namespace (container) either side is in. The pid written into the file is for people
+    only; a process knows its own locks from :attr:`_held_here` (POSIX locks never conflict
+    within one process), never from a pid, which another namespace may share."""
+
+    #: locks this process holds: path -> (st_dev, st_ino) of the lock file
+    _held_here: dict[Path, tuple[int, int]] = {}
 
     def __init__(self, directory: Path, mode: int) -> None:
         self.path = directory.resolve() / SENDER_LOCK
@@ -245,29 +263,38 @@ class SenderLock:
             ) from exc
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
-        SenderLock._held_here.add(self.path)
+        SenderLock._held_here[self.path] = _file_id(self.fd)
         self.owner_pid = os.getpid()
 
     def release(self) -> None:
         """Unlock (in the process that locked; a forked child only closes its copy)."""
-        SenderLock._held_here.discard(self.path)
+        SenderLock._held_here.pop(self.path, None)
         with contextlib.suppress(OSError):
             if os.getpid() == self.owner_pid:
                 os.ftruncate(self.fd, 0)
                 fcntl.lockf(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
 
+    @staticmethod
+    def held_here(fd: int) -> bool:
+        """Whether this process holds the lock on the file open at ``fd``."""
+        return bool(SenderLock._held_here) and _file_id(fd) in SenderLock._held_here.values()
+
+
+# a forked child holds none of its parent's POSIX locks
+os.register_at_fork(after_in_child=SenderLock._held_here.clear)
+
 
 def sender_alive(directory: Path) -> bool:
-    """True if some process holds the sender lock of ``directory``."""
+    """True if some process holds the sender lock of ``directory`` (this one included): a
+    lock we cannot take is held, across pid namespaces too."""
     try:
         fd = open_regular(directory / SENDER_LOCK, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
-        with contextlib.suppress(ValueError, AttributeError, RecursionError):
-            if json.loads(os.read(fd, 256) or b"{}").get("pid") == os.getpid():
-                return True  # our own lock: POSIX locks never conflict within a process
+        if SenderLock.held_here(fd):
+            return True  # our own lock: POSIX locks never conflict within a process
         fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
         return True

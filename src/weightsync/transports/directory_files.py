@@ -14,16 +14,21 @@ import errno
 import json
 import os
 import stat
+import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 from weightsync.core.errors import IntegrityError, UnsafeDirectoryError, UnsafeFileError
-from weightsync.core.liveness import process_dying
+from weightsync.core.liveness import pid_scope, process_dying
 
 #: Mode of the files weightsync creates, unless the scheme is given another.
 DEFAULT_FILE_MODE = 0o600
 #: Control files (manifest, acks) are small; anything larger is refused unread.
 MAX_CONTROL_BYTES = 16 << 20
+#: A temp file of a writer in another pid namespace (whose pid cannot be judged here) is
+#: removed as stale only when older than this (seconds): writing one takes milliseconds.
+FOREIGN_TEMP_AGE_S = 600.0
 
 _SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -122,9 +127,18 @@ def open_regular(path: Path, flags: int, create_mode: int | None = None) -> int:
     return fd
 
 
+def _scope_tag() -> str:
+    """A short name of this process's pid namespace (:func:`pid_scope`) for temp file names;
+    ``x`` when unknown."""
+    scope = pid_scope()
+    return "x" if scope is None else f"{zlib.crc32(scope.encode()):08x}"
+
+
 def create_temp(directory: Path, stem: str, mode: int) -> tuple[Path, int]:
-    """A new, uniquely named temp file (``O_EXCL``) next to ``stem``, opened for writing."""
-    path = directory / f".{stem}.tmp-{os.getpid()}-{os.urandom(6).hex()}"
+    """A new, uniquely named temp file (``O_EXCL``) next to ``stem``, opened for writing; its
+    name carries the writer's pid and pid namespace, so a cleanup can tell whether it may
+    judge that pid (:func:`remove_stale_temp_files`)."""
+    path = directory / f".{stem}.tmp-{os.getpid()}.{_scope_tag()}-{os.urandom(6).hex()}"
     fd = open_regular(path, os.O_RDWR | os.O_EXCL, create_mode=mode)
     return path, fd
 
@@ -210,6 +224,19 @@ def _parse_json_object(path: Path, raw: bytes) -> dict[str, Any]:
     return obj
 
 
+def _temp_file_stale(writer: str, mtime: float) -> bool:
+    """Whether a temp file whose name gives ``writer`` (``pid.tag``, or a bare pid from an
+    older version) may be removed: its writer is dead, or, when the writer's pid is of
+    another pid namespace and cannot be judged here, the file is older than
+    :data:`FOREIGN_TEMP_AGE_S`."""
+    pid, _, tag = writer.partition(".")
+    if not pid.isdigit():
+        return True
+    if tag and (tag == "x" or tag != _scope_tag()):
+        return time.time() - mtime > FOREIGN_TEMP_AGE_S
+    return int(pid) == os.getpid() or process_dying(int(pid))
+
+
 def remove_stale_temp_files(directory: Path) -> int:
     """Delete temp files that dead writers left behind (unlink never follows a symlink);
     a live process's temp file (a receiver writing its ack) is left alone."""
@@ -219,7 +246,11 @@ def remove_stale_temp_files(directory: Path) -> int:
             if not entry.name.startswith(".") or ".tmp-" not in entry.name:
                 continue
             writer = entry.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-            if writer.isdigit() and int(writer) != os.getpid() and not process_dying(int(writer)):
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if not _temp_file_stale(writer, mtime):
                 continue
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)

@@ -19,6 +19,7 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SenderLostError
 from weightsync.core.layout import Layout
+from weightsync.core.liveness import pid_scope
 from weightsync.transports.directory import (
     Ack,
     Commit,
@@ -141,7 +142,7 @@ class DirectoryReader:
         is logged and the ack retried at the next poll, instead of failing the apply."""
         try:
             write_json_atomic(self._ack_path,
-                              Ack(version, os.getpid(), self._host).to_json(),
+                              Ack(version, os.getpid(), self._host, pid_scope()).to_json(),
                               mode=self.mode, durable=False)
         except OSError as exc:
             if self._unwritten_ack != version:

@@ -23,7 +23,7 @@ from weightsync.core.errors import (
     WorkerLostError,
 )
 from weightsync.core.layout import Layout
-from weightsync.core.liveness import process_dying
+from weightsync.core.liveness import judged_by_pid, process_dying
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.directory import (
     MANIFEST,
@@ -219,10 +219,11 @@ class DirectoryWriter:
         """Block until every worker of ``worker_ids`` acknowledged ``version`` (``held`` gets
         each worker's acknowledged version as it is read).
 
-        A worker whose ack names a dead process of this host is lost if it acked a version of
-        this sender; an ack left from before this sender started means "not connected yet",
-        and that worker is waited for until the deadline."""
-        host = socket.gethostname()
+        A worker whose ack names a dead process is lost if it acked a version of this sender;
+        an ack left from before this sender started means "not connected yet", and that
+        worker is waited for until the deadline. The pid is judged only when the ack was
+        written in this process's pid namespace on this boot of this host (its ``pidns``):
+        a worker in another container is waited for until the deadline instead."""
         while True:
             slow, lost, stale = [], [], {}
             for w in worker_ids:
@@ -230,7 +231,7 @@ class DirectoryWriter:
                 held[w] = NO_VERSION if ack is None else ack.version
                 if ack is not None and ack.version >= version:
                     continue
-                if ack is not None and ack.host == host and process_dying(ack.pid):
+                if ack is not None and judged_by_pid(ack.scope) and process_dying(ack.pid):
                     if ack.version > self.recovered_version:
                         lost.append(w)
                         continue
@@ -239,7 +240,7 @@ class DirectoryWriter:
             if lost:
                 raise WorkerLostError(
                     f"worker(s) {lost} died before taking version {version} (their ack files in "
-                    f"{self.directory} name a dead process on this host)",
+                    f"{self.directory} name a dead process of this host and pid namespace)",
                     worker_ids=lost, version=version,
                 )
             if not slow:
