@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "SenderLostError": "weightsync.core.errors",
     "WeightSyncError": "weightsync.core.errors",
     "WeightSyncTimeoutError": "weightsync.core.errors",
+    "WorkerDroppedError": "weightsync.core.errors",
     "WorkerLostError": "weightsync.core.errors",
     "Layout": "weightsync.core.layout",
     "WeightStrategy": "weightsync.core.strategy",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         SenderLostError,
         WeightSyncError,
         WeightSyncTimeoutError,
+        WorkerDroppedError,
         WorkerLostError,
     )
     from weightsync.core.layout import Layout
@@ -105,6 +107,7 @@ __all__ = [
     "WeightSyncError",
     "WeightSyncScheme",
     "WeightSyncTimeoutError",
+    "WorkerDroppedError",
     "WorkerLostError",
     "__version__",
 ]

@@ -476,3 +476,79 @@ def test_a_worker_starved_in_its_handshake_joins_again_within_its_deadline(worke
         sender.register_model(make_model())
         assert sender.connect(timeout=30) == 0
         assert drain(workers.out, 1) == [("connected", 0, 0)]
+
+
+# ---------------------------------------------------------------- dropped and rejoining
+def big_weights(mb: int, value: float = 0.0) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((mb << 18,), value)}
+
+
+def dropped_worker(scheme: Any, idx: int, out: Any, stop: Any, mb: int, how: str) -> None:
+    """Follow versions by ``how`` (receive, poll), reporting each one and every error;
+    after a drop, ``how="connect"`` calls connect() again. Stops when the sender is lost
+    (or the test says so)."""
+    model = big_weights(mb, -1.0)
+    receiver = scheme.create_receiver(worker_idx=idx)
+    receiver.register_model(model)
+    out.put(("connected", idx, receiver.connect(timeout=60), float(model["w"][0])))
+    try:
+        while not stop.is_set():
+            try:
+                if how == "poll":
+                    version = receiver.poll()
+                    time.sleep(0.01)
+                else:
+                    version = receiver.receive(timeout=0.2)
+            except ws.SenderLostError as exc:
+                out.put(("error", idx, type(exc).__name__, str(exc)))
+                return
+            except ws.WeightSyncError as exc:
+                out.put(("error", idx, type(exc).__name__, str(exc)))
+                if how == "connect" and isinstance(exc, ws.WorkerDroppedError):
+                    version = receiver.connect(timeout=30)
+                    out.put(("version", idx, version, float(model["w"][0])))
+                continue
+            if version is not None:
+                out.put(("version", idx, version, float(model["w"][0])))
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("how", ["receive", "poll", "connect"])
+def test_a_worker_stopped_mid_transfer_is_told_it_was_dropped_and_rejoins(workers, how):
+    """A worker stopped (SIGSTOP) while a large version is on its way misses the send's
+    deadline: the trainer drops it (WorkerLostError). Resumed, the worker is told that the
+    live trainer dropped it (WorkerDroppedError, not that the trainer's pipe closed), and
+    its next receive(), poll() or connect() joins again and takes the current version, then
+    every later one."""
+    mb = 128
+    scheme = ws.MultiProcessWeightSyncScheme(num_workers=1, timeout=30)
+    workers.start(dropped_worker, scheme, 0, mb, how)
+    weights = big_weights(mb)
+    sender = scheme.create_sender()
+    sender.register_model(weights)
+    try:
+        assert sender.connect(timeout=60) == 0
+        assert _get(workers.out)[:3] == ("connected", 0, 0)
+        pid = workers.procs[0].pid
+        weights["w"].fill_(1.0)
+        os.kill(pid, signal.SIGSTOP)  # stopped as version 1 goes out
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ws.WorkerLostError) as info:
+                sender.send(timeout=2)
+            assert info.value.worker_ids == (0,) and info.value.version == 1
+            assert time.monotonic() - t0 < 4.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        event = _get(workers.out, 15)
+        assert event[0] == "error", event
+        assert event[2] == "WorkerDroppedError", event
+        assert "dropped this worker" in event[3] and "version 1" in event[3], event
+        assert "pipe closed" not in event[3], event
+        assert _get(workers.out, 15) == ("version", 0, 1, 1.0)  # rejoined: the current one
+        weights["w"].fill_(2.0)
+        assert sender.send(timeout=30) == 2
+        assert _get(workers.out, 15) == ("version", 0, 2, 2.0)
+    finally:
+        sender.close()

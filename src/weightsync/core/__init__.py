@@ -7,6 +7,7 @@ from weightsync.core.errors import (
     SenderLostError,
     WeightSyncError,
     WeightSyncTimeoutError,
+    WorkerDroppedError,
     WorkerLostError,
 )
 from weightsync.core.layout import BucketSpec, Layout, TensorSpec
@@ -26,6 +27,7 @@ __all__ = [
     "WeightStrategy",
     "WeightSyncError",
     "WeightSyncTimeoutError",
+    "WorkerDroppedError",
     "WorkerLostError",
     "WorkerState",
     "flat_tensors",

@@ -49,6 +49,13 @@ class WorkerLostError(WeightSyncError):
         )
 
 
+class WorkerDroppedError(WorkerLostError):
+    """Raised on a worker: the live trainer dropped this worker (it stopped answering, e.g.
+    a stopped or starved process, past a send's deadline). Not a :class:`SenderLostError`:
+    the trainer is alive, and the worker's next ``receive()``, ``poll()`` or ``connect()``
+    joins again and takes the current version. ``version`` is the one in flight, if any."""
+
+
 class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
     """A blocking call ran past its deadline; ``worker_ids`` names who did not answer, if known."""
 

@@ -4,7 +4,9 @@ thread for the trainer's messages.
 The trainer must run as the scheme's user, be the process that created the scheme (or one
 of its descendants) and prove it holds the scheme's token; the token never crosses the
 socket. The reader thread records versions announced to this worker, hands transport
-messages to the transport that holds the link, and notices a trainer that left or died.
+messages to the transport that holds the link, and notices a trainer that left or died, or
+(where the transport can take a worker back, :attr:`LocalLink.rejoinable`) a live trainer
+that dropped this worker, which may then join again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from weightsync.core.errors import (
     SenderLostError,
     WeightSyncError,
     WeightSyncTimeoutError,
+    WorkerDroppedError,
 )
 from weightsync.core.liveness import ProcessWatch, is_same_or_descendant
 from weightsync.core.versions import NO_VERSION
@@ -84,11 +87,19 @@ class LocalLink:
         self.on_sender_lost: Callable[[], None] | None = None
         self._stop = False
         self._handshake_peer: int | None = None  # the verified trainer pid of a handshake
+        #: a connection the live trainer closes is a drop this worker may rejoin after
+        #: (set by a transport that can rejoin); otherwise it counts as the sender lost
+        self.rejoinable = False
+        #: why the live trainer dropped this worker, until it joins again
+        self.dropped: str | None = None
+        self.dropped_version: int | None = None  # the version in flight when dropped
+        self._drop_reported = False
+        self._in_flight: int | None = None  # the version whose message is being read
 
     # ------------------------------------------------------------------ joining
     def open(self, deadline: Deadline, on_message: MessageEvent) -> Channel:
         """Connect, authenticate both ways and start the reader thread."""
-        if self.channel is not None:
+        if self.channel is not None and self.dropped is None:
             raise RuntimeError(f"worker {self.worker_idx} is already connected")
         while True:
             try:
@@ -187,12 +198,36 @@ class LocalLink:
                 elif kind == CLOSE:
                     self._set_sender_lost("the sender closed")
                     return
-                elif not self._on_message(message, channel):
-                    logger.debug("worker %d ignored message %r", self.worker_idx, kind)
+                else:
+                    version = message.header.get("v")
+                    self._in_flight = version if isinstance(version, int) else None
+                    if not self._on_message(message, channel):
+                        logger.debug("worker %d ignored message %r", self.worker_idx, kind)
+                    self._in_flight = None
             except (ChannelClosed, ChannelTimeout, OSError) as exc:
                 if not self._stop:
-                    self._set_sender_lost(f"connection to the sender lost: {exc}")
+                    self._connection_broke(f"connection to the sender lost: {exc}")
                 return
+
+    def _connection_broke(self, why: str) -> None:
+        """The connection ended without the trainer's goodbye: the sender is lost if its
+        process is dead or exiting; a live trainer closed it on purpose (it gave up on this
+        worker), which a rejoinable link reports as a drop."""
+        watch = self._sender_watch
+        if not self.rejoinable or watch is None or watch.dying():
+            self._set_sender_lost(why)
+            return
+        version = self._in_flight
+        during = (f"during version {version}" if version is not None
+                  else f"while holding version {max(self.delivered, self.acked)}")
+        logger.warning("worker %d: the trainer (pid %d) is alive but dropped this worker %s (%s)",
+                       self.worker_idx, watch.pid, during, why)
+        with self.cond:
+            self.dropped = (f"the trainer (pid {watch.pid}) dropped this worker (it stopped "
+                            f"responding {during})")
+            self.dropped_version = version
+            self._drop_reported = False
+            self.cond.notify_all()
 
     def mark_delivered(self, version: int) -> None:
         with self.cond:
@@ -245,6 +280,49 @@ class LocalLink:
             raise SenderLostError(
                 f"worker {self.worker_idx} (at version {version}): {self.sender_lost}"
             )
+        self._check_dropped(version)
+
+    def _check_dropped(self, version: int) -> None:
+        """Raise :class:`WorkerDroppedError` once per drop (the calls after it rejoin)."""
+        if self.dropped is None or self._drop_reported:
+            return
+        self._drop_reported = True
+        raise WorkerDroppedError(
+            f"worker {self.worker_idx} (at version {version}): {self.dropped}; the trainer is "
+            "alive: the next receive(), poll() or connect() joins it again and takes the "
+            "current version", worker_ids=[self.worker_idx], version=self.dropped_version,
+        )
+
+    def needs_rejoin(self, reported_only: bool = True) -> bool:
+        """Whether the live trainer dropped this worker and it should join again now
+        (``reported_only``: only once the drop was raised to the caller)."""
+        return self.dropped is not None and self.sender_lost is None and (
+            self._drop_reported or not reported_only)
+
+    def rejoin(self, deadline: Deadline, on_message: MessageEvent,
+               reset: Callable[[], None]) -> None:
+        """Join the trainer again after it dropped this worker: the old reader thread has
+        ended (it saw the connection close); ``reset`` clears the transport's state for the
+        new connection, whose first version is the trainer's current one. A trainer that is
+        gone meanwhile makes this (and every later call) a :class:`SenderLostError`."""
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        if self.channel is not None:
+            self.channel.close()
+        if self._sender_watch is not None:
+            self._sender_watch.close()
+        reset()
+        with self.cond:
+            self.delivered = self.acked = NO_VERSION  # the trainer counts afresh
+        try:
+            self.open(deadline, on_message)
+        except SenderLostError as exc:
+            self.sender_lost = f"it could not join again after the trainer dropped it: {exc}"
+            raise
+        with self.cond:
+            self.dropped = self.dropped_version = None
+            self._drop_reported = False
+        logger.info("worker %d joined the trainer again after it was dropped", self.worker_idx)
 
     def wait(self, version: int, deadline: Deadline, newer: Callable[[], bool]) -> None:
         """Wait a short while for a version newer than ``version`` (``newer()`` looks)."""
@@ -253,6 +331,9 @@ class LocalLink:
                 raise SenderLostError(
                     f"worker {self.worker_idx} (at version {version}): {self.sender_lost}"
                 )
+            self._check_dropped(version)
+            if self.dropped is not None:
+                return  # the caller rejoins at its next look
             if not newer():
                 self.cond.wait(deadline.slice(0.05))
 

@@ -5,7 +5,9 @@ thread per worker writes the newest snapshot to that worker's socket, so workers
 independently and a send waits only for the acks (which carry the version).
 :class:`StreamReader`: the worker's reader thread stages the bytes (from the trainer's pipe,
 or from the socket) and acks them;
-``poll()`` copies the staged version into the model.
+``poll()`` copies the staged version into the model. A worker the live trainer dropped (it
+stopped answering past a send's deadline) is told so once (:class:`WorkerDroppedError`),
+then joins again at its next call and takes the current version, as a restarted one would.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 
@@ -32,6 +35,13 @@ from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer
 
 #: the MultiProcess transport's messages
 LAYOUT, WEIGHTS = "mp.layout", "mp.weights"
+#: a send whose deadline passed while a worker's transfer was under way waits up to this
+#: long (seconds) for that transfer to give up, which it does at the same deadline: the
+#: worker is then reported dropped (WorkerLostError), not merely slow
+TRANSFER_GRACE = 0.3
+#: a rejoin gets at least this long (seconds), even from poll() or a short receive(): it is
+#: one local handshake, and giving up half-way would only start it over
+REJOIN_SECONDS = 5.0
 
 
 def _weak_callback(method: Callable[[int, Channel, str], None]) -> Callable[[int, Channel, str], None]:
@@ -90,7 +100,23 @@ class StreamWriter:
 
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
-        self.members.wait_acked(targets, version, deadline, lost)
+        """Until the targets acked ``version``. A target still mid-transfer at the deadline
+        is dropped by its streamer when that transfer runs out (at the same deadline): that
+        moment is awaited, so the send names it lost (its worker is told it was dropped)
+        instead of racing the streamer to a bare timeout."""
+        try:
+            self.members.wait_acked(targets, version, deadline, lost)
+        except WeightSyncTimeoutError as exc:
+            with self._streamers_lock:
+                ends = [s.gives_up_at() for w, s in self._streamers.items() if w in exc.worker_ids]
+            last = max((t for t in ends if t is not None), default=None)
+            grace = None if last is None else last - time.monotonic() + TRANSFER_GRACE
+            if grace is None or grace > 2 * TRANSFER_GRACE:
+                raise
+            try:
+                self.members.wait_acked(targets, version, Deadline(max(grace, 0.0)), lost)
+            except WeightSyncTimeoutError:
+                raise exc from None
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         self.members.wait_joined(version, deadline)
@@ -155,6 +181,7 @@ class StreamReader:
         self._layout_arrived = threading.Event()
         self._acking = False  # acks start once connect() has checked and applied
         self._pipe: PipeReader | None = None  # where the trainer maps the bytes, if it can
+        link.rejoinable = True
 
     def _on_message(self, message: Message, channel: Channel) -> bool:
         if self.transport is None:
@@ -207,8 +234,28 @@ class StreamReader:
 
         return read_pipe
 
+    def _reset_stream(self) -> None:
+        """Forget the dropped connection's transfer state (its pipe, staged bytes)."""
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+        self.transport = None
+        self._layout_arrived.clear()
+
+    def _rejoin(self, deadline: Deadline | None = None, *, reported_only: bool = True) -> None:
+        """Join the trainer again if it dropped this worker (and the drop was raised)."""
+        if not self.link.needs_rejoin(reported_only):
+            return
+        remaining = deadline.remaining() if deadline is not None else None
+        seconds = REJOIN_SECONDS if remaining is None else max(remaining, REJOIN_SECONDS)
+        self.link.rejoin(Deadline(seconds), self._on_message, self._reset_stream)
+
     def open(self, local: Layout | None, deadline: Deadline) -> None:
-        self.link.open(deadline, self._on_message)
+        rejoined = self.link.needs_rejoin(reported_only=False)
+        if rejoined:  # connect() again after a drop
+            self._rejoin(deadline, reported_only=False)
+        else:
+            self.link.open(deadline, self._on_message)
         while not self._layout_arrived.wait(deadline.slice(0.1)):
             self.link.check_sender(NO_VERSION)
             if deadline.expired():
@@ -222,14 +269,25 @@ class StreamReader:
             except SchemaMismatchError as exc:
                 self.link.report_mismatch(exc)
                 raise
+        # the worker holds a version already: connect() must not return before the
+        # trainer's current one (the first a rejoined worker is sent) is staged
+        while rejoined and not self.link.delivered > NO_VERSION:
+            self.link.check_sender(NO_VERSION)
+            if deadline.expired():
+                raise WeightSyncTimeoutError(
+                    f"worker {self.worker_idx}: joined the trainer again, but its current "
+                    f"version did not arrive within {deadline}")
+            self.link.wait(NO_VERSION, deadline, lambda: self.link.delivered > NO_VERSION)
 
     def newer_available(self, version: int) -> bool:
         self.link.check_connected()
+        self._rejoin()
         return self.link.delivered > version
 
     def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
                      deadline: Deadline) -> int | None:
         self.link.check_connected()
+        self._rejoin(deadline)
         if self.transport is None:
             return None
         return self.transport.apply_staged(dest, version)

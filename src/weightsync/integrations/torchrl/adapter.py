@@ -346,6 +346,11 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
                 # shared memory: the version is published but its new slot's handle is still
                 # on its way (poll never waits for it); it arrives within milliseconds
                 version = receiver.receive(timeout=self.timeout)
+        except ws.WorkerDroppedError as exc:
+            # the live trainer gave up on this worker (it stalled): the next poll joins again
+            logger.warning("worker %s keeps version %d for now: %s", self.worker_idx,
+                           receiver.version, exc)
+            return None
         except ws.SenderLostError as exc:
             # the trainer closed (collector shutdown) or died; TorchRL's own control pipe
             # ends this worker either way: keep the version held, stop asking
