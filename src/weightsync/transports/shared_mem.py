@@ -28,17 +28,18 @@ from weightsync.core.layout import Layout
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports import shm_standalone as standalone
+from weightsync.transports.dumpable import protect_sender_process
 from weightsync.transports.futex import FutexWord
 from weightsync.transports.local_channel import Channel, ChannelClosed, ChannelTimeout, Message
 from weightsync.transports.shm_apply import adopt_newest, copy_newest
 from weightsync.transports.shm_slots import (
-    _APPLIED_BASE,
+    _ACK_APPLIED,
+    _ACK_WAITING,
     _HEADER_WORDS,
     _IDX_CLOSED,
     _IDX_LATEST,
     _MAX_WORKERS,
     _PACKED_BASE,
-    _WAITING_BASE,
     DEFAULT_MODEL_ID,
     _ReceiverModel,
     _SenderModel,
@@ -112,8 +113,8 @@ class SharedMemTransport:
             self._channels.pop(worker_idx, None)
             for model in self._models.values():
                 model.set_target(worker_idx, -1)
-                model.forget_worker(worker_idx)
                 model.take_back_opened(worker_idx)  # a dead CUDA worker's slots
+                model.forget_worker(worker_idx)
 
     def register_weights(self, model_id: str, weights: Any) -> None:
         """Create the shared slots for ``model_id`` from ``weights`` and publish them as its
@@ -126,6 +127,7 @@ class SharedMemTransport:
             self.publish(model_id, flat, None, 0, None)
 
     def _create_model(self, model_id: str, flat: Mapping[str, torch.Tensor]) -> _SenderModel:
+        protect_sender_process()  # before the first segment: see ``dumpable``
         max_slots = self._max_slots or max(len(self._channels), 1) + 2
         model = _SenderModel(Layout.from_weights(flat), max(2, max_slots), self._grow_for_views)
         model.new_slot()
@@ -140,7 +142,7 @@ class SharedMemTransport:
         """Pass a worker a model's segments; a worker that hung up meanwhile (it refused the
         layout, or died) is detached here and reported by the hub with its reason."""
         try:
-            model.announce(model_id, channel)
+            model.announce(model_id, channel, worker_idx)
             return True
         except (ChannelClosed, TimeoutError) as exc:
             logger.info("worker %d hung up before taking model %r (%s); detaching it",
@@ -171,7 +173,7 @@ class SharedMemTransport:
         """Receiver side: announce that this worker blocks until a notice comes."""
         model = self._receiver_models.get(model_id)
         if model is not None:
-            model.ctrl[_WAITING_BASE + worker_idx] = 1 if waiting else 0
+            model.ack[_ACK_WAITING] = 1 if waiting else 0
 
     def layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
         model = self._models.get(model_id)
@@ -225,7 +227,7 @@ class SharedMemTransport:
             channel = self._channels.get(w)
             if channel is None or not model.waiting(w):
                 continue
-            model.ctrl[_WAITING_BASE + w] = 0
+            model.stop_waiting(w)
             with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
                 channel.send_nowait({"t": "version", "v": version})
 
@@ -272,7 +274,8 @@ class SharedMemTransport:
                 if old is not None:
                     old.close()
                 layout = Layout.from_dict(message.header["layout"])
-                self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0])
+                self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0],
+                                                                 message.fds[1])
             elif kind == "shm.slot":
                 model = self._receiver_models[message.header["model_id"]]
                 model.add_slot(message)
@@ -319,7 +322,7 @@ class SharedMemTransport:
             return NO_VERSION
         version, index = _unpack_target(packed)
         if self._adopts and model.ctrl[_PACKED_BASE + index] != model.plan.total:
-            return model.ctrl[_APPLIED_BASE + worker_idx]
+            return int(model.ack[_ACK_APPLIED])
         return version
 
     def sender_closed(self, model_id: str = DEFAULT_MODEL_ID) -> bool:

@@ -39,12 +39,12 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import SchemaMismatchError, WeightSyncError
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.shm_slots import (
-    _APPLIED_BASE,
+    _ACK_APPLIED,
+    _ACK_VIEWING,
     _HEADER_WORDS,
     _IDX_PREVIOUS,
     _PACK_FAILED,
     _PACKED_BASE,
-    _VIEWING_BASE,
     _lock,
     _ReceiverModel,
     _Slot,
@@ -148,7 +148,7 @@ def _restore_previous(model: _ReceiverModel, worker_idx: int,
                         and model.ctrl[_PACKED_BASE + index] == model.plan.total):
                     model.layout.unpack(slot.buffers, dest)
                     _sync(slot)
-                    model.ctrl[_APPLIED_BASE + worker_idx] = version
+                    model.ack[_ACK_APPLIED] = version
                     return version
             finally:
                 _unlock(model.control.fd, index)
@@ -189,7 +189,7 @@ def copy_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torch
         finally:
             _unlock(model.control.fd, slot.index)
         if whole:
-            model.ctrl[_APPLIED_BASE + worker_idx] = version
+            model.ack[_ACK_APPLIED] = version
             return version
         dirty = dirty or touched
         if model.ctrl[_HEADER_WORDS + worker_idx] == packed:  # stalled (or short), not failed
@@ -244,10 +244,10 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
             if model.held_slot is not None and model.held_slot != index:
                 _unlock(model.control.fd, model.held_slot)
             model.held_slot, model.viewer = index, worker_idx
-            model.ctrl[_VIEWING_BASE + worker_idx] = index  # the sender counts it pinned
+            model.ack[_ACK_VIEWING] = index  # the sender counts it pinned
             model.adopted = list(dest.values())
             _viewing.add(model)
-        model.ctrl[_APPLIED_BASE + worker_idx] = version
+        model.ack[_ACK_APPLIED] = version
         return version
 
 

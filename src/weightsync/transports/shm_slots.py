@@ -1,14 +1,21 @@
-"""The shared-memory layout behind SharedMem: a control block and a pool of slots.
+"""The shared-memory layout behind SharedMem: a control block, acks and a pool of slots.
 
-The control block is one small shared segment of int64 words: a magic, the newest
-version's target, a closed flag, the previous newest target (a whole version kept intact
-while the next one is packed), a ring word that workers blocked in ``receive()`` sleep on
-(``futex``), per worker its target (version and slot), a flag "blocked
-in receive()" and the version it last applied, and per slot how many of its bytes are
-packed. Each slot is one full packed copy of the weights (a memfd segment on the CPU, a
+The control block is one small shared segment of int64 words, written by the sender only:
+a magic, the newest version's target, a closed flag, the previous newest target (a whole
+version kept intact while the next one is packed), a ring word that workers blocked in
+``receive()`` sleep on (``futex``), per worker its target (version and slot), and per slot
+how many of its bytes are packed. What a worker writes lives in its own *ack* segment, one
+per worker (and per attach: a worker that joins again gets a fresh one), passed to that
+worker only: the version it last applied, a flag "blocked in receive()", the CUDA slots
+it opened and the slot it views (zero-copy). The control block and the slots are sealed
+against writes by anyone but the sender (``memfd``: workers map them read-only and
+cannot remap them writable), so a worker can neither forge a version for the others nor
+another worker's state; it can only state its own (see docs/security.md).
+
+Each slot is one full packed copy of the weights (a memfd segment on the CPU, a
 CUDA buffer shared by IPC on a GPU). A byte-range ``fcntl`` lock per slot, in the control
 segment's lock space, keeps the sender (exclusive) off a slot any worker reads (shared);
-the kernel drops a dead reader's lock. A zero-copy worker also writes the slot it views:
+the kernel drops a dead reader's lock. A zero-copy worker also records the slot it views:
 it pins that slot besides its target, and the default pool grows by one per such worker.
 
 A version is published before it is packed: the sender takes a free slot (exclusive lock:
@@ -53,18 +60,17 @@ _MAX_WORKERS = 1024
 _HEADER_WORDS = 8
 _IDX_MAGIC, _IDX_LATEST, _IDX_CLOSED, _IDX_PREVIOUS, _IDX_RING = 0, 1, 2, 3, 4
 _LOCK_BASE = 1 << 20  # byte offset of slot locks in the control segment's lock space
-_WAITING_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-worker flag: blocked in receive()
-_APPLIED_BASE = _HEADER_WORDS + 2 * _MAX_WORKERS  # per-worker: the version it last applied
-_PACKED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS  # per-slot: bytes packed of its version
+_PACKED_BASE = _HEADER_WORDS + _MAX_WORKERS  # per-slot: bytes packed of its version
 #: what the control block holds: a SharedMem scheme's most workers and slots
 MAX_WORKERS, MAX_SLOTS = _MAX_WORKERS, _SLOT_SPACE
 _PACK_FAILED = -1  # a slot's "bytes packed" word after its pack failed
-# per worker: a bit per CUDA slot it opened and has not released (slots 0..62 tracked)
-_OPENED_BASE = _HEADER_WORDS + 3 * _MAX_WORKERS + _SLOT_SPACE
+_CONTROL_NBYTES = (_HEADER_WORDS + _MAX_WORKERS + _SLOT_SPACE) * 8
+# a worker's ack segment: the version it last applied; its flag "blocked in receive()";
+# a bit per CUDA slot it opened and has not released (slots 0..62 tracked); the slot its
+# model views (zero-copy, under its shared lock), -1 for none
+_ACK_APPLIED, _ACK_WAITING, _ACK_OPENED, _ACK_VIEWING = 0, 1, 2, 3
+_ACK_NBYTES = 4 * 8
 _OPENED_BITS = 63
-# per worker: the slot its model views (zero-copy, under its shared lock), -1 for none
-_VIEWING_BASE = _OPENED_BASE + _MAX_WORKERS
-_CONTROL_NBYTES = (_HEADER_WORDS + 5 * _MAX_WORKERS + _SLOT_SPACE) * 8
 DEFAULT_MODEL_ID = "policy"
 #: the longest a zero-copy worker waits for a forked child to lock the slot it views
 FORK_LOCK_WAIT_S = 2.0
@@ -98,6 +104,22 @@ def _ring_of(control: Segment, ctrl: memoryview) -> FutexWord | None:
     """The control block's ring word: raised (and its sleepers woken) at each publish."""
     assert control.tensor is not None
     return FutexWord.at(ctrl, _IDX_RING, control.tensor.data_ptr())
+
+
+class _Ack:
+    """A worker's ack segment, as the sender holds it (read, and reset on its behalf)."""
+
+    def __init__(self) -> None:
+        self.segment = Segment.create(_ACK_NBYTES, receivers_write=True)
+        self.words = self.segment.view_int64()
+        self.words[_ACK_APPLIED] = NO_VERSION
+        self.words[_ACK_WAITING] = 0
+        self.words[_ACK_OPENED] = 0
+        self.words[_ACK_VIEWING] = -1
+
+    def close(self) -> None:
+        """Let the segment go; a thread still reading ``words`` keeps the mapping alive."""
+        self.segment.close()
 
 
 @dataclass
@@ -134,9 +156,7 @@ class _SenderModel:
         self.views: dict[int, list[list[torch.Tensor]]] = {}  # slot -> the views packed through
         for w in range(_MAX_WORKERS):
             self.ctrl[_HEADER_WORDS + w] = -1
-            self.ctrl[_APPLIED_BASE + w] = NO_VERSION
-            self.ctrl[_OPENED_BASE + w] = 0
-            self.ctrl[_VIEWING_BASE + w] = -1
+        self.acks: dict[int, _Ack] = {}  # worker -> the ack segment it was given
         self.slots: list[_Slot] = []
         # slot -> where torch counts the workers that opened its CUDA buffers
         self.cuda_counts: dict[int, set[ConsumerCount]] = {}
@@ -155,10 +175,13 @@ class _SenderModel:
         self.slots.append(slot)
         return slot
 
-    def announce(self, model_id: str, channel: Channel) -> None:
-        """Pass a worker the control block and every slot of this model (their fds)."""
+    def announce(self, model_id: str, channel: Channel, worker_idx: int) -> None:
+        """Pass a worker the control block, a fresh ack segment of its own and every slot
+        of this model (their fds)."""
+        self.forget_worker(worker_idx)
+        ack = self.acks[worker_idx] = _Ack()
         header = {"t": "shm.model", "model_id": model_id, "layout": self.layout.to_dict()}
-        channel.send(header, fds=[self.control.fd], timeout=10.0)
+        channel.send(header, fds=[self.control.fd, ack.segment.fd], timeout=10.0)
         for slot in self.slots:
             slot_header, fds = self.slot_message(slot, model_id)
             channel.send(slot_header, fds=fds, timeout=10.0)
@@ -174,23 +197,37 @@ class _SenderModel:
     def target(self, worker_idx: int) -> int:
         return self.ctrl[_HEADER_WORDS + worker_idx]
 
+    def _ack_word(self, worker_idx: int, word: int, default: int) -> int:
+        ack = self.acks.get(worker_idx)
+        return default if ack is None else int(ack.words[word])
+
     def waiting(self, worker_idx: int) -> bool:
-        return self.ctrl[_WAITING_BASE + worker_idx] != 0
+        return self._ack_word(worker_idx, _ACK_WAITING, 0) != 0
+
+    def stop_waiting(self, worker_idx: int) -> None:
+        """Lower a worker's "blocked in receive()" flag: it was sent a notice."""
+        ack = self.acks.get(worker_idx)
+        if ack is not None:
+            ack.words[_ACK_WAITING] = 0
 
     def set_target(self, worker_idx: int, packed: int) -> None:
         self.ctrl[_HEADER_WORDS + worker_idx] = packed
 
     def applied(self, worker_idx: int) -> int:
-        return self.ctrl[_APPLIED_BASE + worker_idx]
+        """The version the worker says it last applied (its own ack segment)."""
+        return self._ack_word(worker_idx, _ACK_APPLIED, NO_VERSION)
 
     def viewing(self, worker_idx: int) -> int:
         """The slot worker ``worker_idx``'s model views (zero-copy), -1 for none."""
-        return self.ctrl[_VIEWING_BASE + worker_idx]
+        return self._ack_word(worker_idx, _ACK_VIEWING, -1)
 
     def forget_worker(self, worker_idx: int) -> None:
-        """A worker (re)joins or leaves: nothing applied, nothing viewed."""
-        self.ctrl[_APPLIED_BASE + worker_idx] = NO_VERSION
-        self.ctrl[_VIEWING_BASE + worker_idx] = -1
+        """A worker (re)joins or leaves: nothing applied, nothing viewed. Its ack segment
+        is let go: a worker that joins again gets a fresh one, so a process that held the
+        old one writes nothing the sender reads."""
+        ack = self.acks.pop(worker_idx, None)
+        if ack is not None:
+            ack.close()
 
     def write(
         self, flat: Mapping[str, torch.Tensor], slot: _Slot, worker_ids: list[int],
@@ -289,7 +326,10 @@ class _SenderModel:
         """Worker ``worker_idx`` is gone: take back the consumer counts it left on CUDA
         slots it opened and never released (a clean close clears its record first), so
         ``torch.cuda.ipc_collect()`` can free those slots; returns how many."""
-        bits, self.ctrl[_OPENED_BASE + worker_idx] = int(self.ctrl[_OPENED_BASE + worker_idx]), 0
+        ack = self.acks.get(worker_idx)
+        if ack is None:
+            return 0
+        bits, ack.words[_ACK_OPENED] = int(ack.words[_ACK_OPENED]) & ((1 << _OPENED_BITS) - 1), 0
         if not bits:
             return 0
         opened = {worker_idx: {count for index, counts in self.cuda_counts.items()
@@ -303,6 +343,8 @@ class _SenderModel:
     def close(self) -> None:
         self.ctrl[_IDX_CLOSED] = 1
         self.ctrl.release()
+        for worker_idx in list(self.acks):
+            self.forget_worker(worker_idx)
         self.views.clear()  # views into the slots would keep their CUDA memory alive
         for slot in self.slots:
             slot.close()
@@ -312,12 +354,15 @@ class _SenderModel:
 
 
 class _ReceiverModel:
-    """A worker's mapping of one model id's control block and slots."""
+    """A worker's mapping of one model id's control block and slots (read-only) and of its
+    own ack segment (the only shared memory it writes)."""
 
-    def __init__(self, layout: Layout, control_fd: int) -> None:
+    def __init__(self, layout: Layout, control_fd: int, ack_fd: int) -> None:
         self.layout = layout
-        self.control = Segment.attach(control_fd, _CONTROL_NBYTES, writable=True)
+        self.control = Segment.attach(control_fd, _CONTROL_NBYTES)
         self.ctrl = self.control.view_int64()
+        self.ack_segment = Segment.attach(ack_fd, _ACK_NBYTES, writable=True)
+        self.ack = self.ack_segment.view_int64()
         self.ring = _ring_of(self.control, self.ctrl)
         self.slots: dict[int, _Slot] = {}
         self.plan = PiecePlan(layout)
@@ -375,14 +420,14 @@ class _ReceiverModel:
         should it die, the sender takes back the counts it left. Written after opening
         (a death in between leaks, never frees memory a live worker maps)."""
         if self._opened_bits and self._recorded != (worker_idx, self._opened_bits):
-            self.ctrl[_OPENED_BASE + worker_idx] = self._opened_bits
+            self.ack[_ACK_OPENED] = self._opened_bits
             self._recorded = (worker_idx, self._opened_bits)
 
     def forget_opened(self) -> None:
         """A clean close, before the slots are released: the sender must not take back
         counts this worker's own release takes back."""
         if self._recorded is not None:
-            self.ctrl[_OPENED_BASE + self._recorded[0]] = 0
+            self.ack[_ACK_OPENED] = 0
             self._recorded = None
 
     def wait_for_forked_children(self) -> None:
@@ -404,13 +449,15 @@ class _ReceiverModel:
     def close(self) -> None:
         self.wait_for_forked_children()  # closing the fd drops this process's slot locks
         if self.held_slot is not None and self.viewer is not None:
-            self.ctrl[_VIEWING_BASE + self.viewer] = -1
+            self.ack[_ACK_VIEWING] = -1
         self.held_slot = None
         self.adopted = []
         self.forget_opened()
         self._views.clear()
         self._tensor_views.clear()
         self.ctrl.release()
+        self.ack.release()
         for slot in self.slots.values():
             slot.close()
         self.control.close()
+        self.ack_segment.close()
