@@ -241,11 +241,12 @@ class RayTransport:
 
     def attach_local(self, info: NodeLocalInfo) -> bool:
         """Take versions from the sender's shared memory if this actor is on its node."""
-        if self.local is not None and self.local.sender_pid == info.pid:
+        if (self.local is not None and self.local.sender_pid == info.pid
+                and self.local.address == info.address):
             return True
         self.detach_local()
         if self.backend == "gloo" and probe_node_local(info):
-            self.local = NodeLocalReceiver(self.worker_idx, info.pid)
+            self.local = NodeLocalReceiver(self.worker_idx, info)
         return self.local is not None
 
     def detach_local(self) -> None:
