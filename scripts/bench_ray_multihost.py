@@ -29,7 +29,7 @@ from multihost import two_host_cluster, unavailable_reason  # noqa: E402
 from weightsync.bench.ray_actors import p2p_seconds  # noqa: E402
 from weightsync.integrations.ray import RayWeightReceiverMixin  # noqa: E402
 from weightsync.schemes.ray import RayWeightSyncScheme  # noqa: E402
-from weightsync.transports.ray_group import GroupInfo, WeightGroup, wire_checksums  # noqa: E402
+from weightsync.transports.ray.group import GroupInfo, WeightGroup, wire_checksums  # noqa: E402
 
 
 def make_weights(nbytes: int, fill: float = 0.0) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ class Collector(RayWeightReceiverMixin):
 
     def corrupt_wire(self, on):
         """Flip one byte of every bucket this actor receives from now on (or stop)."""
-        from weightsync.transports.ray import RayTransport
+        from weightsync.transports.ray.transport import RayTransport
 
         def flip(buffers):
             for buffer in buffers:

@@ -15,8 +15,8 @@ from weightsync.bench.plot import COLOURS, transport_of, write_plot
 from weightsync.bench.rows import format_table, make_row
 from weightsync.cli import main
 from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
-from weightsync.transports.futex import supported
-from weightsync.transports.mp_pipe import PipeWriter
+from weightsync.transports.memory.futex import supported
+from weightsync.transports.mp.pipe import PipeWriter
 
 
 def test_model_has_the_asked_size_in_layers():

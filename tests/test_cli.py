@@ -105,7 +105,7 @@ def test_missing_extra_is_one_line_saying_what_to_install(monkeypatch, capsys, a
 
 
 def test_torchrl_collector_without_torchrl_says_what_to_install(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "weightsync.integrations.torchrl_demo", None)
+    monkeypatch.setitem(sys.modules, "weightsync.demo.torchrl", None)
     assert main(["demo", "--collector", "torchrl"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'weightsync[torchrl]'" in err

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from weightsync.cli import main
-from weightsync.demo import run_demo
+from weightsync.demo.trainer import run_demo
 
 
 @pytest.mark.slow

@@ -30,13 +30,13 @@ _LAZY: dict[str, str] = {
     "MultiProcessWeightSyncScheme": "weightsync.schemes.multiprocess",
     "SharedMemWeightSyncScheme": "weightsync.schemes.shared_mem",
     "TransportBackend": "weightsync.transports.base",
-    "MPTransport": "weightsync.transports.multiprocess",
-    "SharedMemTransport": "weightsync.transports.shared_mem",
+    "MPTransport": "weightsync.transports.mp.transport",
+    "SharedMemTransport": "weightsync.transports.shm.transport",
     "RayWeightSyncScheme": "weightsync.schemes.ray",
     "RayWeightSender": "weightsync.schemes.ray",
     "RayWeightReceiver": "weightsync.schemes.ray",
-    "RayTransport": "weightsync.transports.ray",
-    "RayWeightReceiverMixin": "weightsync.integrations.ray",
+    "RayTransport": "weightsync.transports.ray.transport",
+    "RayWeightReceiverMixin": "weightsync.schemes.ray_actor",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
@@ -51,7 +51,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     )
     from weightsync.core.layout import Layout
     from weightsync.core.strategy import WeightStrategy
-    from weightsync.integrations.ray import RayWeightReceiverMixin
     from weightsync.schemes.base import WeightSyncScheme
     from weightsync.schemes.double_buffer import (
         VLLMDoubleBufferSyncScheme,
@@ -60,13 +59,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     )
     from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
     from weightsync.schemes.ray import RayWeightReceiver, RayWeightSender, RayWeightSyncScheme
+    from weightsync.schemes.ray_actor import RayWeightReceiverMixin
     from weightsync.schemes.receiver import WeightReceiver
     from weightsync.schemes.sender import WeightSender
     from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
     from weightsync.transports.base import TransportBackend
-    from weightsync.transports.multiprocess import MPTransport
-    from weightsync.transports.ray import RayTransport
-    from weightsync.transports.shared_mem import SharedMemTransport
+    from weightsync.transports.mp.transport import MPTransport
+    from weightsync.transports.ray.transport import RayTransport
+    from weightsync.transports.shm.transport import SharedMemTransport
 
 
 def __getattr__(name: str) -> Any:

@@ -69,7 +69,7 @@ def _llm_demo(args: argparse.Namespace) -> int:
     if not (_installed("vllm") and _installed("transformers")):
         raise MissingExtra("weightsync demo --llm needs vLLM and transformers: pip install "
                            "'weightsync[vllm,hf]' (on CPU: bash scripts/env.sh installs vLLM's CPU build)")
-    from weightsync.demo_llm import LLMDemoOptions, PromiseBroken, run_llm_demo
+    from weightsync.demo.llm import LLMDemoOptions, PromiseBroken, run_llm_demo
 
     options = LLMDemoOptions(
         steps=args.steps, max_seconds=args.max_seconds, model_size=args.model_size,
@@ -90,14 +90,14 @@ def _demo(args: argparse.Namespace) -> int:
         return _llm_demo(args)
     if args.collector == "torchrl":
         try:
-            from weightsync.integrations.torchrl_demo import run_demo as run_torchrl_demo
+            from weightsync.demo.torchrl import run_demo as run_torchrl_demo
         except ImportError as exc:
             raise MissingExtra(f"weightsync demo --collector torchrl needs TorchRL ({exc}): "
                                "pip install 'weightsync[torchrl]'") from None
         outcome = run_torchrl_demo(args)
         return outcome if isinstance(outcome, int) else 0
     require(DEMO_NEEDS + TRANSPORT_NEEDS.get(args.transport, []), "weightsync demo")
-    from weightsync.demo import CollectorError, run_demo
+    from weightsync.demo.trainer import CollectorError, run_demo
 
     try:
         result = run_demo(

@@ -19,7 +19,7 @@ from other_user import run_in_child
 from workers import drain, echo_worker, make_model
 
 import weightsync as ws
-from weightsync.transports.directory import MANIFEST, ack_path, slot_path
+from weightsync.transports.directory.manifest import MANIFEST, ack_path, slot_path
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -271,7 +271,7 @@ def _child_uses_inherited_sender(sender: ws.VLLMDoubleBufferWeightSender) -> str
 
 
 def _sender_alive(directory: str) -> bool:
-    from weightsync.transports.directory import sender_alive
+    from weightsync.transports.directory.manifest import sender_alive
 
     return sender_alive(Path(directory))
 

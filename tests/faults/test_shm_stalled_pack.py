@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from weightsync.transports.shm_slots import _HEADER_WORDS, _PACKED_BASE, _unpack_target
+from weightsync.transports.shm.slots import _HEADER_WORDS, _PACKED_BASE, _unpack_target
 
 #: 160 MB: a pack lasts long enough to stop the trainer in the middle of it
 _NUMEL = 40_000_000

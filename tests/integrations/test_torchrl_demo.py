@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torchrl", reason="torchrl is not installed (scripts/env-torchrl.sh installs it)")
 pytest.importorskip("gymnasium", reason="gymnasium is not installed")
 
-from weightsync.integrations.torchrl_demo import run_demo, train
+from weightsync.demo.torchrl import run_demo, train
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.timeout(420)]
 

@@ -78,7 +78,7 @@ def actors_dead(ray: Any, actors: list[Any], timeout: float = 30.0) -> bool:
 def corrupt_wire(actor: Any, on: bool) -> None:
     """Inside a Ray actor (``actor.__ray_call__``): flip one byte of every bucket this
     process receives through the broadcast from now on (or stop)."""
-    from weightsync.transports.ray import RayTransport
+    from weightsync.transports.ray.transport import RayTransport
 
     def flip(buffers: list[torch.Tensor]) -> None:
         for buffer in buffers:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from workers import drain, echo_worker, make_model
 
 import weightsync as ws
-from weightsync.transports.directory import MANIFEST, slot_path
+from weightsync.transports.directory.manifest import MANIFEST, slot_path
 
 
 @pytest.fixture

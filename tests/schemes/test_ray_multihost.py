@@ -246,7 +246,7 @@ def test_link_cut_during_a_send_then_restored(cluster, actors):
 ATTACK = """
 import datetime, json, sys
 import torch.distributed as dist
-from weightsync.transports.ray_group import GroupInfo, WeightGroup
+from weightsync.transports.ray.group import GroupInfo, WeightGroup
 address, port, generation = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 peer = dist.TCPStore(address, port, None, False, timeout=datetime.timedelta(seconds=10))
 keys = peer.list_keys()  # the store hands its key names to anyone who reaches it

@@ -267,7 +267,7 @@ def test_trainer_in_an_actor(actors, ray_cluster):
 
 
 def test_node_local_probe_needs_its_node_its_process_and_its_token(ray_cluster):
-    from weightsync.transports.ray import NodeLocalSender, probe_node_local
+    from weightsync.transports.ray.transport import NodeLocalSender, probe_node_local
 
     local = NodeLocalSender(max_slots=2)
     try:
@@ -290,7 +290,7 @@ def test_seed_ray_transport_contract():
 
 
 def test_demo_over_ray(ray_cluster):
-    from weightsync.demo import run_demo
+    from weightsync.demo.trainer import run_demo
 
     result = run_demo("ray", workers=2, max_iterations=6, plot=None, live=False,
                       log=lambda line: None)
@@ -358,7 +358,7 @@ def test_rendezvous_refuses_a_peer_without_the_token(tmp_path):
 
     import torch.distributed as dist
 
-    from weightsync.transports.ray_group import AuthenticatedStore, GroupInfo, WeightGroup
+    from weightsync.transports.ray.group import AuthenticatedStore, GroupInfo, WeightGroup
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=20))
@@ -368,7 +368,7 @@ def test_rendezvous_refuses_a_peer_without_the_token(tmp_path):
     attack = f"""
 import datetime, json, sys
 import torch, torch.distributed as dist
-from weightsync.transports.ray_group import GroupInfo, WeightGroup
+from weightsync.transports.ray.group import GroupInfo, WeightGroup
 port = {store.port}
 peer = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=5))
 keys = peer.list_keys()  # the store hands out its key names to anyone
@@ -415,8 +415,8 @@ def test_checksummed_broadcast_in_chunks_catches_one_flipped_byte():
 
     import torch.distributed as dist
 
-    from weightsync.transports import ray_group
-    from weightsync.transports.ray_group import GroupInfo, WeightGroup
+    from weightsync.transports.ray.group import GroupInfo, WeightGroup
+    from weightsync.transports.ray.transport import group as ray_group
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=20))
@@ -447,7 +447,7 @@ def test_checksummed_broadcast_in_chunks_catches_one_flipped_byte():
 
 
 def test_checksum_helpers():
-    from weightsync.transports.ray_group import _sums_list, _sums_tensor, wire_checksum
+    from weightsync.transports.ray.group import _sums_list, _sums_tensor, wire_checksum
 
     data = torch.arange(1000, dtype=torch.int64).view(torch.uint8)[:7993]  # a ragged tail
     base = wire_checksum(data)
@@ -463,7 +463,7 @@ def test_checksum_helpers():
 def test_nccl_backend_without_cuda_says_what_to_do():
     import pickle
 
-    from weightsync.transports.ray_group import wire_device
+    from weightsync.transports.ray.group import wire_device
 
     scheme = ws.RayWeightSyncScheme(num_workers=2, backend="nccl")
     copy = pickle.loads(pickle.dumps(scheme))  # what each actor receives
@@ -479,8 +479,8 @@ def test_streamed_pack_fills_each_chunk_as_pack_would(monkeypatch):
     """The pack streamed into the broadcast, chunk by chunk (small chunks here, so tensors
     straddle them), leaves the same bytes as one whole pack."""
     from weightsync.core.layout import Layout
-    from weightsync.transports import ray_group
-    from weightsync.transports.ray_stream import can_stream, streamed_pack
+    from weightsync.transports.ray.stream import can_stream, streamed_pack
+    from weightsync.transports.ray.transport import group as ray_group
 
     monkeypatch.setattr(ray_group, "CHUNK_BYTES", 1000)
     flat = {"a": torch.randn(37, 11), "b": torch.arange(999, dtype=torch.int64),

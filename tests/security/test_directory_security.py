@@ -15,8 +15,8 @@ import torch
 from other_user import needs_root, run_as_user, run_in_child
 
 import weightsync as ws
-from weightsync.transports.directory import MANIFEST, SENDER_LOCK, ack_path, slot_path
-from weightsync.transports.directory_files import UnsafeDirectoryError, UnsafeFileError
+from weightsync.transports.directory.files import UnsafeDirectoryError, UnsafeFileError
+from weightsync.transports.directory.manifest import MANIFEST, SENDER_LOCK, ack_path, slot_path
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 PRECIOUS = b"precious: must never be overwritten\n"

@@ -277,7 +277,7 @@ def test_hub_refuses_another_user_at_once(name, workers):
 
 
 def test_cuda_ipc_handles_are_typed_fields_never_unpickled(tmp_path):
-    from weightsync.transports.cuda_ipc import checked_fields
+    from weightsync.transports.memory.cuda_ipc import checked_fields
 
     marker = str(tmp_path / "pwned")
     evil = base64.b64encode(pickle.dumps((_Marker(marker),))).decode()

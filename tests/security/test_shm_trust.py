@@ -213,7 +213,7 @@ def test_a_worker_that_joins_again_gets_a_fresh_ack_segment() -> None:
 
 
 def _channel(pipe: Any) -> Any:
-    from weightsync.transports.local_channel import Channel
+    from weightsync.transports.local.channel import Channel
 
     return Channel.from_pipe(pipe)
 
@@ -370,7 +370,7 @@ def _raw_ticket_request(address: str, ticket: str) -> tuple[bytes, int]:
 
 
 def _request_ticket(address: str, pid: int, ticket: str) -> str:
-    from weightsync.transports.ray_local import _request
+    from weightsync.transports.ray.node_local import _request
 
     try:
         answer, fds = _request(address, pid, {"ticket": ticket}, 4)
@@ -384,7 +384,7 @@ def _request_ticket(address: str, pid: int, ticket: str) -> str:
 @needs_root
 @pytest.mark.multiuser
 def test_node_local_fds_need_a_one_time_ticket(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.transports import ray_local
+    from weightsync.transports.ray.transport import node_local as ray_local
 
     monkeypatch.setattr(ray_local, "current_node_id", lambda: "this-node")
     local = ray_local.NodeLocalSender(max_slots=3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as torch_mp
 
-from weightsync.transports.cuda_ipc import (
+from weightsync.transports.memory.cuda_ipc import (
     ConsumerCount,
     counts_to_take_back,
     handle_fields,
@@ -72,14 +72,16 @@ def test_the_sender_takes_back_only_what_a_dead_worker_recorded_and_a_clean_clos
     import os
 
     from weightsync.core.layout import Layout
-    from weightsync.transports import shm_slots
+    from weightsync.transports.shm import slots as shm_slots
+    from weightsync.transports.shm import worker_slots
 
     counters, handle = _torch_counter_file([2, 2, 2])  # 2 consumers on each of 3 slots
     layout = Layout.from_weights({"w": torch.zeros(4)})
     sender = shm_slots._SenderModel(layout, max_slots=4)
     sender.cuda_counts = {i: {ConsumerCount(handle, i)} for i in range(3)}
-    dying = shm_slots._ReceiverModel(layout, os.dup(sender.control.fd))
-    leaving = shm_slots._ReceiverModel(layout, os.dup(sender.control.fd))
+    acks = sender.acks[0], sender.acks[1] = shm_slots._Ack(), shm_slots._Ack()
+    dying = worker_slots._ReceiverModel(layout, os.dup(sender.control.fd), os.dup(acks[0].segment.fd))
+    leaving = worker_slots._ReceiverModel(layout, os.dup(sender.control.fd), os.dup(acks[1].segment.fd))
     try:
         dying._opened_bits = 0b011  # slots 0 and 1 mapped by worker 0
         dying.record_opened(0)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.transports.futex import FutexWord, supported
-from weightsync.transports.shared_mem import DEFAULT_MODEL_ID, SharedMemTransport
+from weightsync.transports.memory.futex import FutexWord, supported
+from weightsync.transports.shm.transport import DEFAULT_MODEL_ID, SharedMemTransport
 
 pytestmark = pytest.mark.skipif(not supported(), reason="no futex on this platform")
 

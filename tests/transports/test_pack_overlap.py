@@ -17,13 +17,13 @@ import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.layout import Layout
-from weightsync.transports import multiprocess_streams
-from weightsync.transports.local_channel import Channel, ChannelClosed
-from weightsync.transports.multiprocess import as_bytes
-from weightsync.transports.multiprocess_streams import SnapshotPool, Streamer
-from weightsync.transports.pack_pieces import PIECE_BYTES, PiecePlan
-from weightsync.transports.shared_mem import SharedMemTransport
-from weightsync.transports.shm_slots import _IDX_LATEST, _lock, _unlock, _unpack_target
+from weightsync.transports.local.channel import Channel, ChannelClosed
+from weightsync.transports.memory.pieces import PIECE_BYTES, PiecePlan
+from weightsync.transports.mp import streams as multiprocess_streams
+from weightsync.transports.mp.streams import SnapshotPool, Streamer
+from weightsync.transports.mp.transport import as_bytes
+from weightsync.transports.shm.slots import _IDX_LATEST, _lock, _unlock, _unpack_target
+from weightsync.transports.shm.transport import SharedMemTransport
 
 #: 3 tensors of 12 MB: several pieces each
 SHAPES = {"a": (3_000_000,), "b": (1000, 3000), "c": (3_000_000,)}
@@ -134,7 +134,7 @@ def test_a_pack_that_fails_half_way_leaves_the_worker_a_whole_version(copying_wo
 
 
 def test_a_pack_that_stalls_is_given_up_with_a_whole_version(copying_worker_pair):
-    from weightsync.transports import shm_apply
+    from weightsync.transports.shm import apply as shm_apply
 
     transport, out = copying_worker_pair
 

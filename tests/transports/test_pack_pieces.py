@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from weightsync.core.layout import Layout
-from weightsync.transports.pack_pieces import PiecePlan
+from weightsync.transports.memory.pieces import PiecePlan
 
 
 def mixed_weights() -> dict[str, torch.Tensor]:

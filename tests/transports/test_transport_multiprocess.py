@@ -18,9 +18,10 @@ from workers import checksum, drain, echo_worker, fill_all, make_model
 import weightsync as ws
 from weightsync import MPTransport, TransportBackend
 from weightsync.core.deadline import Deadline
-from weightsync.transports import mp_pipe, multiprocess_streams
-from weightsync.transports.local_channel import ChannelClosed
-from weightsync.transports.mp_pipe import PipeReader, PipeWriter
+from weightsync.transports.local.channel import ChannelClosed
+from weightsync.transports.mp import pipe as mp_pipe
+from weightsync.transports.mp import streams as multiprocess_streams
+from weightsync.transports.mp.pipe import PipeReader, PipeWriter
 
 
 def queue_worker(weight_queue, ack_queue, out):

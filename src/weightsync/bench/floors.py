@@ -66,7 +66,7 @@ def _socket_reader(sock: Any, nbytes: int, rounds: int) -> None:
 def socket_times(nbytes: int, repeats: int = 5) -> list[float]:
     """Seconds of each move of ``nbytes`` from this process into another one's buffer over a
     bare Unix socket (no framing, no snapshot, no apply): MultiProcess's own floor here."""
-    from weightsync.transports.local_channel import _SOCKET_BUFFER
+    from weightsync.transports.local.channel import _SOCKET_BUFFER
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for end in (ours, theirs):
@@ -93,7 +93,7 @@ def socket_times(nbytes: int, repeats: int = 5) -> list[float]:
 
 def _pipe_reader(read_fd: int, ack_fd: int, nbytes: int, rounds: int) -> None:
     from weightsync.core.deadline import Deadline
-    from weightsync.transports.mp_pipe import PipeReader
+    from weightsync.transports.mp.pipe import PipeReader
 
     pipe, buffer = PipeReader(read_fd), memoryview(bytearray(nbytes))
     for version in range(rounds):
@@ -108,7 +108,7 @@ def pipe_times(nbytes: int, repeats: int = 5) -> list[float] | None:
     data path for large versions, with no framing, snapshot or apply. None where such a
     pipe cannot be made here."""
     from weightsync.core.deadline import Deadline
-    from weightsync.transports.mp_pipe import PipeWriter
+    from weightsync.transports.mp.pipe import PipeWriter
 
     opened = PipeWriter.open()
     if opened is None:
@@ -143,7 +143,7 @@ _RING = 1  # word 1: the futex the sleepers wait on; word 2 + i: when sleeper i 
 
 def _ring_in(page: mmap.mmap) -> Any:
     """The futex word ``_RING`` of ``page`` (None without futex support)."""
-    from weightsync.transports.futex import FutexWord
+    from weightsync.transports.memory.futex import FutexWord
 
     anchor = ctypes.c_char.from_buffer(page)
     base = ctypes.addressof(anchor)

@@ -29,7 +29,7 @@ from weightsync.bench.floors import (
     wake_times,
 )
 from weightsync.bench.rows import BenchRow, make_row
-from weightsync.transports.mp_pipe import MIN_PAYLOAD_BYTES
+from weightsync.transports.mp.pipe import MIN_PAYLOAD_BYTES
 
 logger = logging.getLogger(__name__)
 

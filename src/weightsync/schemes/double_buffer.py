@@ -23,10 +23,10 @@ from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
-from weightsync.transports.directory import Commit
-from weightsync.transports.directory_files import DEFAULT_FILE_MODE, check_file_mode
-from weightsync.transports.directory_reader import DirectoryReader, Loader, check_layout_matches
-from weightsync.transports.directory_writer import DirectoryWriter
+from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_mode
+from weightsync.transports.directory.manifest import Commit
+from weightsync.transports.directory.reader import DirectoryReader, Loader, check_layout_matches
+from weightsync.transports.directory.writer import DirectoryWriter
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ reached at an abstract Unix socket address, authenticated by a per-scheme token.
 
 The ends are the common :class:`~weightsync.schemes.sender.WeightSender` and
 :class:`~weightsync.schemes.receiver.WeightReceiver`, handed the transport's writer and
-reader (``transports/shm_endpoints.py``, ``transports/mp_endpoints.py``).
+reader (``transports/shm/endpoints.py``, ``transports/mp/endpoints.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
-from weightsync.transports.local_address import new_address
-from weightsync.transports.local_link import LocalLink
+from weightsync.transports.local.address import new_address
+from weightsync.transports.local.link import LocalLink
 
 
 def check_num_workers(num_workers: object) -> int:

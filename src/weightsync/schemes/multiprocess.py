@@ -5,7 +5,7 @@ from __future__ import annotations
 from weightsync.schemes.local import LocalScheme
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
-from weightsync.transports.mp_endpoints import StreamReader, StreamWriter
+from weightsync.transports.mp.endpoints import StreamReader, StreamWriter
 
 
 class MultiProcessWeightSyncScheme(LocalScheme):

@@ -2,7 +2,7 @@
 
 The ends are the common :class:`~weightsync.schemes.sender.WeightSender` and
 :class:`~weightsync.schemes.receiver.WeightReceiver`, handed the Ray transport's writer and
-reader (``transports/ray_writer.py``, ``transports/ray_reader.py``): the trainer checks every
+reader (``transports/ray/writer.py``, ``transports/ray/reader.py``): the trainer checks every
 actor's layout, builds the library's own torch.distributed group (rendezvous in a named Ray
 actor, at the node address Ray reports, authenticated by the scheme's secret token), and for
 each send signals the actors through Ray and broadcasts the packed, checksummed buckets once
@@ -26,10 +26,10 @@ from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
-from weightsync.transports.ray_group import current_node_id
-from weightsync.transports.ray_reader import SENDER_CHECK_S, RayReader
-from weightsync.transports.ray_rendezvous import Rendezvous
-from weightsync.transports.ray_writer import RayWriter
+from weightsync.transports.ray.group import current_node_id
+from weightsync.transports.ray.reader import SENDER_CHECK_S, RayReader
+from weightsync.transports.ray.rendezvous import Rendezvous
+from weightsync.transports.ray.writer import RayWriter
 
 __all__ = ["SENDER_CHECK_S", "RayConfig", "RayWeightReceiver", "RayWeightSender",
            "RayWeightSyncScheme", "Rendezvous"]

@@ -9,8 +9,8 @@ from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.local import LocalScheme, SameHostConfig
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
-from weightsync.transports.shm_endpoints import SharedMemReader, SharedMemWriter
-from weightsync.transports.shm_slots import MAX_SLOTS, MAX_WORKERS
+from weightsync.transports.shm.endpoints import SharedMemReader, SharedMemWriter
+from weightsync.transports.shm.slots import MAX_SLOTS, MAX_WORKERS
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""Transports: how bytes move. One module per transport; none imports a scheme."""
+"""Transports: how bytes move, one package per family (local, shm, mp, directory, ray) plus
+the memory primitives they share. None imports a scheme."""
 
 from weightsync.transports.base import TransportBackend
-from weightsync.transports.multiprocess import MPTransport
-from weightsync.transports.shared_mem import SharedMemTransport
+from weightsync.transports.mp.transport import MPTransport
+from weightsync.transports.shm.transport import SharedMemTransport
 
 __all__ = ["MPTransport", "SharedMemTransport", "TransportBackend"]

@@ -1,0 +1,323 @@
+"""The node-local path of the Ray scheme: actors on the sender's node copy each version out
+of the sender's shared memory instead of taking it over the network.
+
+The sender writes each version once into a :class:`SharedMemTransport` slot; each
+co-located actor maps those segments and copies its version out at ``poll()``, the way
+NCCL and Ray's object store use shared memory within a node. The segments' fds reach an
+actor over the sender's *fd server*, an abstract Unix socket (``SCM_RIGHTS``): each Ray
+call that names new segments carries, for one actor only, a one-time random ticket that
+the server redeems for exactly those fds, to a process of the sender's user
+(``SO_PEERCRED``). The sender's process is not dumpable (``dumpable``), so no other
+process of its user can take the fds through ``/proc/<pid>/fd``. Hosts that share
+``/proc`` or the abstract socket namespace (containers) are told apart by Ray's node id,
+and the probe checks that the server answering is the sender's process and knows its token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncTimeoutError
+from weightsync.core.layout import Layout
+from weightsync.transports.local.address import new_address
+from weightsync.transports.local.auth import peer_credentials
+from weightsync.transports.local.channel import Message
+from weightsync.transports.memory.dumpable import protect_sender_process
+from weightsync.transports.ray.group import current_node_id
+from weightsync.transports.shm.transport import DEFAULT_MODEL_ID, SharedMemTransport
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_BYTES = 16
+_REQUEST_MAX = 1024  # a request is one small JSON line
+_MAX_FDS = 16  # a segment message carries a few fds (control block and ack: 2)
+_IO_TIMEOUT_S = 5.0
+
+
+@dataclass
+class NodeLocalInfo:
+    """How an actor finds out whether it shares the sender's node and reaches its fd
+    server (plain data: crosses Ray): the server's abstract socket ``address`` in the
+    sender process ``pid``, which answers a probe only with ``token``."""
+
+    node_id: str
+    pid: int
+    address: str
+    token: str
+
+
+def _request(address: str, pid: int, request: dict[str, Any],
+             max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """One request to a sender's fd server; its answer and the fds it passed. Refuses a
+    server that is not process ``pid`` of this user."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    fds: list[int] = []
+    try:
+        sock.settimeout(_IO_TIMEOUT_S)
+        sock.connect(address)
+        peer = peer_credentials(sock)
+        if peer.pid != pid or peer.uid != os.getuid():
+            raise PermissionError(f"the fd server at the sender's address is process {peer.pid} "
+                                  f"of uid {peer.uid}, not the sender {pid}")
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        data, fds, _flags, _addr = socket.recv_fds(sock, _REQUEST_MAX, max(max_fds, 1))
+        answer = json.loads(data.decode() or "{}")
+        if not isinstance(answer, dict):
+            raise ValueError("malformed answer")
+        return answer, fds
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+    finally:
+        sock.close()
+
+
+def probe_node_local(info: NodeLocalInfo) -> bool:
+    """True if this process runs on the sender's node and its fd server answers."""
+    if info.node_id != current_node_id():
+        return False
+    try:
+        answer, _ = _request(info.address, info.pid, {"probe": info.token})
+    except (OSError, ValueError) as exc:
+        logger.info("cannot reach the sender's shared memory (%s); using the broadcast", exc)
+        return False
+    return answer.get("ok") is True
+
+
+class _FdServer:
+    """Hands the sender's segment fds to actors that hold a ticket (one-time, random, one
+    actor's); a probe with the token gets a yes. Serves one short request at a time on a
+    daemon thread; only processes of this user get an answer."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.address = new_address()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.bind(self.address)
+        self._sock.listen(16)
+        self._lock = threading.Lock()
+        self._tickets: dict[str, tuple[int, list[int]]] = {}  # ticket -> (worker, dup fds)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weightsync-fd-server",
+                                        daemon=True)
+        self._thread.start()
+
+    def issue(self, worker_idx: int, fds: Sequence[int]) -> str:
+        """A ticket for copies of ``fds`` (taken now: the numbers may be reused later)."""
+        copies: list[int] = []
+        try:
+            for fd in fds:
+                copies.append(os.dup(fd))
+        except OSError:
+            _close_all(copies)
+            raise
+        ticket = secrets.token_hex(16)
+        with self._lock:
+            self._tickets[ticket] = (worker_idx, copies)
+        return ticket
+
+    def revoke(self, worker_idx: int) -> None:
+        """Drop the tickets a worker did not redeem (it left)."""
+        with self._lock:
+            gone = [t for t, (w, _) in self._tickets.items() if w == worker_idx]
+            for ticket in gone:
+                _close_all(self._tickets.pop(ticket)[1])
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0.2)
+                if not ready:
+                    continue
+                conn, _ = self._sock.accept()
+            except (OSError, ValueError):
+                return  # closed
+            with conn:
+                try:
+                    self._answer(conn)
+                except (OSError, ValueError, UnicodeDecodeError) as exc:
+                    logger.debug("fd server: a request failed (%s)", exc)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(_IO_TIMEOUT_S)
+        if peer_credentials(conn).uid != os.getuid():
+            return  # another user: closed before a byte is read
+        data = b""
+        while not data.endswith(b"\n") and len(data) < _REQUEST_MAX:
+            chunk = conn.recv(_REQUEST_MAX - len(data))
+            if not chunk:
+                return
+            data += chunk
+        request = json.loads(data.decode())
+        if not isinstance(request, dict):
+            return
+        probe, ticket = request.get("probe"), request.get("ticket")
+        if isinstance(probe, str):
+            ok = hmac.compare_digest(probe.encode(), self.token.encode())
+            conn.sendall(json.dumps({"ok": ok}).encode())
+            return
+        if not isinstance(ticket, str):
+            return
+        with self._lock:
+            entry = self._tickets.pop(ticket, None)
+        if entry is None:
+            conn.sendall(b'{"ok": false}')
+            return
+        try:
+            socket.send_fds(conn, [b'{"ok": true}'], entry[1])
+        finally:
+            _close_all(entry[1])
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        self._thread.join(timeout=2.0)
+        with self._lock:
+            for _, copies in self._tickets.values():
+                _close_all(copies)
+            self._tickets.clear()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class _Outbox:
+    """Stands in for a worker's channel in a :class:`SharedMemTransport`: keeps the segment
+    messages (their fds as a ticket of the fd server) for the next Ray call to carry to
+    that actor."""
+
+    def __init__(self, worker_idx: int, server: _FdServer) -> None:
+        self.worker_idx = worker_idx
+        self.server = server
+        self.messages: list[dict[str, Any]] = []
+        self.closed = False
+
+    def send(self, header: dict[str, Any], payload: Any = None, fds: Sequence[int] = (),
+             timeout: float | None = None) -> None:
+        message: dict[str, Any] = {"header": header, "nfds": len(fds)}
+        if fds:
+            message["ticket"] = self.server.issue(self.worker_idx, fds)
+        self.messages.append(message)
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.messages = self.messages, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class NodeLocalSender:
+    """The sender's path to actors on its own node: a :class:`SharedMemTransport` (slot pool,
+    per-worker targets, tear-free reads under slot locks) whose segments the actors take
+    from its fd server. A send writes one slot whatever the number of actors."""
+
+    def __init__(self, max_slots: int) -> None:
+        protect_sender_process()  # no other process of this user opens our fds via /proc
+        self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
+        self._server = _FdServer(secrets.token_hex(_TOKEN_BYTES))
+        self.info = NodeLocalInfo(current_node_id(), os.getpid(), self._server.address,
+                                  self._server.token)
+        self._outboxes: dict[int, _Outbox] = {}
+
+    @property
+    def workers(self) -> set[int]:
+        return set(self._outboxes)
+
+    def attach(self, worker_idx: int) -> None:
+        if worker_idx not in self._outboxes:
+            self._outboxes[worker_idx] = outbox = _Outbox(worker_idx, self._server)
+            self.transport.attach_worker(worker_idx, outbox, at_latest=False)  # type: ignore[arg-type]
+
+    def detach(self, worker_idx: int) -> None:
+        if self._outboxes.pop(worker_idx, None) is not None:
+            self.transport.detach_worker(worker_idx)
+            self._server.revoke(worker_idx)
+
+    def publish(self, flat: Mapping[str, torch.Tensor], worker_ids: Sequence[int], version: int,
+                timeout: float | None) -> None:
+        self.transport.publish(DEFAULT_MODEL_ID, flat, list(worker_ids), version, timeout)
+
+    def point_at_latest(self, worker_ids: Sequence[int]) -> None:
+        self.transport.point_at_latest(worker_ids)
+
+    def latest_buffers(self) -> dict[str, torch.Tensor]:
+        """The packed buffers of the newest version (stable until two sends later)."""
+        return self.transport.latest_buffers()
+
+    def messages_for(self, worker_idx: int) -> list[dict[str, Any]]:
+        outbox = self._outboxes.get(worker_idx)
+        return [] if outbox is None else outbox.take()
+
+    def close(self) -> None:
+        self.transport.close()
+        self._outboxes.clear()
+        self._server.close()
+
+
+class NodeLocalReceiver:
+    """An actor's end of :class:`NodeLocalSender`: maps the segments the sender names and
+    applies the newest version it is pointed at, straight from shared memory."""
+
+    def __init__(self, worker_idx: int, info: NodeLocalInfo) -> None:
+        self.worker_idx = worker_idx
+        self.sender_pid = info.pid
+        self.address = info.address
+        self.transport = SharedMemTransport()
+
+    def take_messages(self, messages: Sequence[dict[str, Any]]) -> None:
+        """Map the segments the sender names, redeeming each message's ticket at its fd
+        server."""
+        for message in messages:
+            nfds, ticket = int(message.get("nfds", 0)), message.get("ticket")
+            fds: list[int] = []
+            if nfds:
+                if not 0 < nfds <= _MAX_FDS or not isinstance(ticket, str):
+                    raise ValueError(f"malformed segment message from the sender: {message!r}")
+                answer, fds = _request(self.address, self.sender_pid, {"ticket": ticket}, nfds)
+                if answer.get("ok") is not True or len(fds) != nfds:
+                    _close_all(fds)
+                    raise PermissionError(f"worker {self.worker_idx}: the sender's fd server "
+                                          "refused a segment ticket")
+            self.transport.handle_message(Message(header=message["header"], fds=fds))
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.transport.receiver_layout(DEFAULT_MODEL_ID)
+
+    def published_version(self) -> int:
+        return self.transport.published_version(self.worker_idx)
+
+    def apply(self, dest: Mapping[str, torch.Tensor], held_version: int,
+              deadline: Deadline) -> int | None:
+        """Copy the newest version for this worker into ``dest`` if newer than ours; a slot
+        whose handle has not come is waited for only until ``deadline`` (``poll()``: not at
+        all, since the sender's next call on this actor brings it)."""
+        if self.layout is None:
+            return None
+        try:
+            return self.transport.apply_latest(self.worker_idx, dest, held_version, deadline)
+        except WeightSyncTimeoutError:  # its slot's handle has not come yet: next time
+            return None
+
+    def close(self) -> None:
+        self.transport.close()

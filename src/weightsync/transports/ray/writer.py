@@ -1,0 +1,272 @@
+"""The Ray scheme's trainer end, as the send lifecycle drives it.
+
+``publish`` takes the snapshot, after building a group generation if there is none: one
+packed write into shared memory when actors share the trainer's node, else into the wire
+buffers. ``deliver`` signals every member actor through Ray and broadcasts the packed
+buckets, checksummed as they go out, once for all actors on other nodes (when no actor
+shares the trainer's node, ``publish`` already streams the pack into the broadcast, chunk
+by chunk). On a node with several actors, one relays the version to the others through
+its shared memory: they are signalled once it answered. ``wait_acked`` collects the
+actors' answers: a dead actor becomes :class:`WorkerLostError`, a silent one
+:class:`WeightSyncTimeoutError`, a failed broadcast :class:`WeightSyncError`, each naming
+the workers; the next send rebuilds the group without them, so the others keep receiving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import Losses
+from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError, WorkerLostError
+from weightsync.core.layout import Layout
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.ray.answers import Answers
+from weightsync.transports.ray.group import FillChunk, bucket_buffers, wire_device
+from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
+from weightsync.transports.ray.node_local import NodeLocalSender
+from weightsync.transports.ray.stream import can_stream, streamed_pack
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Flight:
+    """One version between ``publish`` and ``wait_acked``."""
+
+    version: int
+    buffers: dict[str, torch.Tensor]  # the packed snapshot
+    silent: Losses  # left out of the group built for it
+    keep: set[int] = field(default_factory=set)  # the workers it is for
+    refs: dict[int, Any] = field(default_factory=dict)  # one take call per member
+    sent: bool = False  # signalled and broadcast (by publish, when streamed)
+    broadcast_error: str | None = None
+
+
+class RayWriter:
+    """Trainer side of the Ray scheme: actors as workers, Ray for signals, weightsync's own
+    group for the bytes. ``checksums`` is read at each send."""
+
+    needs_acks = True
+
+    def __init__(self, *, num_workers: int, backend: str, node_local: bool, checksums: bool,
+                 rendezvous_name: str, secret: str, timeout: float) -> None:
+        self.members = RayMembers(num_workers=num_workers, backend=backend, secret=secret,
+                                  rendezvous_name=rendezvous_name, store_timeout=timeout)
+        self.backend = backend
+        self.node_local = node_local
+        self.checksums = checksums
+        self._timeout = timeout
+        self._layout: Layout | None = None
+        self._wire_layout: Layout | None = None
+        self._buffers: dict[str, torch.Tensor] | None = None  # wire buffers, made on first use
+        self._latest: dict[str, torch.Tensor] | None = None  # the newest snapshot's buffers
+        self._latest_in_slot = False  # ... in shared memory (else in the wire buffers)
+        self.local: NodeLocalSender | None = None  # actors on this node read from here
+        self._versions: dict[int, int] = {}  # the version each worker last confirmed
+        self._flight: _Flight | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, deadline: Deadline) -> None:
+        """Wait until every worker's actor is known (handed over or announced)."""
+        self.members.wait_for_handles(deadline)
+
+    def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
+                version: int, deadline: Deadline) -> Losses:
+        return self._snapshot(flat, layout, requested, version, deadline)
+
+    def republish(self, requested: list[int], version: int, deadline: Deadline) -> Losses:
+        """``publish`` again the newest snapshot, as ``version``, for ``requested`` (a
+        replacement actor brought in at once); deliver and wait as for a send."""
+        if self._layout is None:
+            raise RuntimeError("nothing was published yet")
+        return self._snapshot(None, self._layout, requested, version, deadline)
+
+    def _prepare(self, layout: Layout) -> None:
+        """The wire layout, and shared memory for actors on this node (gloo, CPU weights,
+        ``node_local``); chosen once."""
+        self._layout = layout
+        if self._wire_layout is not None:
+            return
+        self._wire_layout = layout.on_device(wire_device(self.backend))
+        if (self.node_local and self.backend == "gloo"
+                and set(layout.nbytes_by_device) == {"cpu"}):
+            self.local = NodeLocalSender(max_slots=self.members.num_workers + 2)
+
+    def _wire_buffers(self) -> dict[str, torch.Tensor]:
+        assert self._wire_layout is not None
+        if self._buffers is None:
+            self._buffers = self._wire_layout.allocate()
+        return self._buffers
+
+    def _snapshot(self, flat: Mapping[str, torch.Tensor] | None, layout: Layout,
+                  requested: list[int], version: int, deadline: Deadline) -> Losses:
+        members = self.members
+        members.take_announcements(deadline)  # a replacement actor joins at the next send
+        self._prepare(layout)
+        wire_layout, local = self._wire_layout, self.local
+        assert wire_layout is not None
+        dead: Losses = {}
+        silent: Losses = {}
+        if members.group is None:
+            budget = share(deadline, BROADCAST_SHARE)
+            dead, silent = members.build(layout, local, budget or self._timeout, deadline,
+                                         relay=self.node_local and self.backend == "gloo")
+            silent = {w: why for w, why in silent.items() if w not in members.reported}
+        assert members.group is not None
+        # after the build: a worker that answers again is back
+        keep = [w for w in requested if w not in members.reported]
+        dead |= {w: "not a member of the group" for w in keep
+                 if w not in members.members and w not in dead and w not in silent}
+        local_keep = [w for w in keep if local is not None and w in local.workers]
+        fill = None
+        if flat is None:  # the newest snapshot again
+            assert self._latest is not None
+            buffers = self._latest
+            if local is not None and local_keep:
+                if self._latest_in_slot:
+                    local.point_at_latest(local_keep)
+                else:
+                    local.publish(wire_layout.named_views(buffers), local_keep, version,
+                                  deadline.remaining())
+        elif local is not None and local.workers:  # one write into shared memory
+            local.publish(flat, local_keep, version, deadline.remaining())
+            buffers, self._latest_in_slot = local.latest_buffers(), True
+        else:
+            buffers, self._latest_in_slot = self._wire_buffers(), False
+            if members.group.info.world_size > 1 and can_stream(wire_layout, flat):
+                fill = streamed_pack(wire_layout, flat, buffers)  # packed as it goes out
+            else:
+                wire_layout.pack(flat, buffers)
+        self._latest = buffers
+        if self.backend == "nccl":
+            torch.cuda.synchronize()
+        self._flight = flight = _Flight(version, buffers, silent)
+        if fill is not None:
+            assert flat is not None
+            targets = [w for w in requested if w not in dead]
+            self._send(flight, targets, deadline, fill)
+            if flight.broadcast_error is not None:  # the snapshot must be whole all the same
+                wire_layout.pack(flat, buffers)
+        return dead
+
+    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
+        """Signal every member (``targets`` keep the version, the others only take part in
+        the broadcast), then broadcast (unless ``publish`` streamed the snapshot into the
+        broadcast already); a failed broadcast is raised by ``wait_acked``."""
+        flight = self._flight
+        assert flight is not None and flight.version == version
+        if not flight.sent:
+            self._send(flight, targets, deadline, None)
+        return {}
+
+    def _send(self, flight: _Flight, targets: list[int], deadline: Deadline,
+              fill: FillChunk | None) -> None:
+        members, local = self.members, self.local
+        assert members.group is not None and self._wire_layout is not None
+        group, version = members.group, flight.version
+        flight.sent = True
+        flight.keep = {w for w in targets if w not in members.reported}
+        remote = group.info.world_size > 1
+        checked = remote and self.checksums
+        budget = share(deadline, BROADCAST_SHARE)
+        delivery = {"generation": group.info.generation, "checked": checked,
+                    "timeout_s": None if budget is None else budget * 0.95}
+        for w, h in members.members.items():
+            if w in members.followers:
+                continue  # signalled with its relay's answer
+            followers = members.relays_of(w)
+            flight.refs[w] = h._weightsync_receive.remote(
+                version, w in flight.keep, local.messages_for(w) if local is not None else None,
+                delivery | {"relay": [f for f in followers if f in flight.keep]}
+                if followers else delivery)
+        if remote:
+            wire = bucket_buffers(self._wire_layout, flight.buffers)
+            try:
+                if checked:  # chunks, each summed as it goes out, then the sums
+                    group.send_checked(wire, budget, fill)
+                else:
+                    group.broadcast(wire, budget, fill)
+            except RuntimeError as exc:
+                logger.warning("broadcast of version %d failed: %s", version, exc)
+                flight.broadcast_error = (str(exc).splitlines()[0] if str(exc)
+                                          else type(exc).__name__)
+                members.group = None  # broken: rebuilt from the survivors at the next send
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: Losses) -> None:
+        """Collect every member's answer; raise naming the dead, the silent, or the failed
+        broadcast (the group is then rebuilt at the next send)."""
+        flight, self._flight = self._flight, None
+        assert flight is not None and flight.version == version
+        members = self.members
+        answers = members.answers(flight.refs, deadline.remaining())
+        answers = self._relayed(flight, answers, deadline)
+        for w, acked in answers.values.items():
+            if w in flight.keep:
+                self._versions[w] = int(acked["held"] if isinstance(acked, dict) else acked)
+        dead = dict(lost) | answers.dead
+        silent = flight.silent | answers.silent
+        for w in answers.dead:
+            members.drop(w, self.local)
+        missed = answers.errors  # answered with an error: alive, but without this version
+        if dead or silent or missed or flight.broadcast_error:
+            members.group = None  # rebuilt at the next send, without the dead
+        members.reported.update(dead, silent)
+        for w in silent:
+            members.members.pop(w, None)
+        what = "; ".join([f"worker {w}: {why}" for w, why in sorted((dead | silent).items())]
+                         + [f"worker {w}: {e}" for w, e in sorted(missed.items())])
+        if dead:
+            raise WorkerLostError(
+                f"lost worker(s) {sorted(dead)} while sending version {version}: {what}. The "
+                "next send rebuilds the group from the others; a replacement actor joins then "
+                "(or at once with add_worker).", worker_ids=list(dead), version=version)
+        if silent:
+            raise WeightSyncTimeoutError(
+                f"worker(s) {sorted(silent)} did not take version {version} within "
+                f"{deadline}: {what}. The next send rebuilds the group without them "
+                "(a worker that answers again rejoins then).", worker_ids=list(silent))
+        if missed or flight.broadcast_error:
+            error = flight.broadcast_error
+            raise WeightSyncError(
+                f"the broadcast of version {version} failed{': ' + error if error else ''}"
+                f"{'; ' + what if what else ''}; the group is rebuilt at the next send")
+
+    def _relayed(self, flight: _Flight, answers: Answers, deadline: Deadline) -> Answers:
+        """Signal each follower once its relay answered (with the segments it names), and
+        add the followers' answers; a follower whose relay failed did not get the version."""
+        members, refs = self.members, {}
+        for f, r in members.followers.items():
+            answer = answers.values.get(r)
+            if isinstance(answer, dict):  # a corrupted version is not relayed: not kept
+                keep = f in flight.keep and bool(answer.get("relayed"))
+                refs[f] = members.members[f]._weightsync_receive.remote(
+                    flight.version, keep, answer["messages"].get(f, []), None)
+            else:
+                answers.errors[f] = WeightSyncError(
+                    f"its node's relay, worker {r}, did not deliver version {flight.version}")
+        if refs:
+            more = members.answers(refs, deadline.remaining())
+            answers.values |= more.values
+            answers.dead |= more.dead
+            answers.silent |= more.silent
+            answers.errors |= more.errors
+        return answers
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        """Nothing more: the actors that took ``version`` answered ``wait_acked``."""
+
+    def held_versions(self) -> dict[int, int]:
+        return {w: self._versions.get(w, NO_VERSION) for w in sorted(self.members.connected)}
+
+    def close(self) -> None:
+        self.members.close()
+        if self.local is not None:
+            self.local.close()  # actors that mapped its segments keep them until they close
+            self.local = None
