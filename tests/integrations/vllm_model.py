@@ -66,8 +66,10 @@ def transformers_greedy(model: Any, prompts: list[list[int]] = PROMPTS,
     """The trainer's greedy continuation of each prompt (new tokens only)."""
     out = []
     for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0)[0].tolist()
+        ids = torch.tensor([prompt])
+        # an explicit mask: without it, a prompt token equal to the pad id would be masked
+        ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)[0].tolist()
         out.append(ids[len(prompt):])
     return out
 
