@@ -15,8 +15,9 @@ ARGS = {
     "transformers_double_buffer.py": ["--steps", "2"],
     "ray_actors.py": ["--steps", "3"],
     "torchrl_tear_check.py": ["--updates", "5"],
+    "torchrl_llm.py": ["--steps", "2"],  # exits 0 with a message without vllm
 }
-NEEDS = {"torchrl_tear_check.py": "torchrl"}
+NEEDS = {"torchrl_tear_check.py": "torchrl", "torchrl_llm.py": "torchrl"}
 
 
 @pytest.mark.slow

@@ -248,8 +248,9 @@ class AsyncVLLMDriver:
     """TorchRL's ``AsyncVLLM`` seen as one engine by ``connect_engine`` / ``update_engine``:
     each call runs on every Ray actor (replica), worker results in replica-major order.
 
-    A replica is a vLLM ``AsyncLLM`` in its own actor; pausing, prefix-cache reset and the
-    version label are applied replica by replica."""
+    TorchRL's replica actors expose ``sleep(level)`` without a pause mode, so vLLM's
+    default applies there: requests in flight are aborted (not drained), and they keep no
+    ``weight_version`` label. Not yet exercised against a real Ray-hosted engine."""
 
     def __init__(self, engine: Any) -> None:
         import ray
@@ -257,16 +258,17 @@ class AsyncVLLMDriver:
         self._ray = ray
         self.engine = engine
         self.actors = list(engine.actors)
-        self.llm_engine = None  # _world(): counted from the workers' answers instead
+        self.llm_engine = None  # _world() then counts one rank; each rank still acks its own
 
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
         return list(self._ray.get(refs))
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """Run ``method`` on every worker of every replica; ranks are made engine-wide."""
         out: list[Any] = []
-        for replica, results in enumerate(self._all("collective_rpc", method, args=args)):
+        for replica, results in enumerate(self._all("collective_rpc_v1", method, None, args,
+                                                    None)):
             for result in results:
                 if isinstance(result, dict) and "rank" in result:
                     result = {**result, "rank": replica * len(results) + int(result["rank"])}
@@ -277,16 +279,13 @@ class AsyncVLLMDriver:
         self._all("reset_prefix_cache")
 
     def sleep(self, level: int = 0, mode: str = "wait") -> None:
-        self._all("pause_generation", mode=mode)
+        self._all("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self._all("resume_generation")
+        self._all("wake_up", tags)
 
     def update_weight_version(self, version: str) -> None:
-        try:
-            self._all("update_weight_version", version)
-        except Exception as exc:  # an AsyncLLM without the label: the versions still hold
-            logger.debug("AsyncVLLM replicas keep no weight_version label: %s", exc)
+        logger.debug("AsyncVLLM replicas keep no weight_version label (version %s)", version)
 
 
 # ============================================================== collector
