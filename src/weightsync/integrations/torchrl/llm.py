@@ -30,7 +30,7 @@ from torchrl.weight_update.weight_sync_schemes import register_weight_sync_backe
 import weightsync as ws
 from weightsync.integrations.torchrl.collector_hooks import flat_weights
 from weightsync.integrations.vllm.driver import connect_engine, engine_versions, update_engine
-from weightsync.transports.directory import read_manifest
+from weightsync.transports.directory.manifest import read_manifest
 
 logger = logging.getLogger(__name__)
 
