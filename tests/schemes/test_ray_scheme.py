@@ -415,8 +415,8 @@ def test_checksummed_broadcast_in_chunks_catches_one_flipped_byte():
 
     import torch.distributed as dist
 
+    from weightsync.transports.ray import group as ray_group
     from weightsync.transports.ray.group import GroupInfo, WeightGroup
-    from weightsync.transports.ray.transport import group as ray_group
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=20))
@@ -479,8 +479,8 @@ def test_streamed_pack_fills_each_chunk_as_pack_would(monkeypatch):
     """The pack streamed into the broadcast, chunk by chunk (small chunks here, so tensors
     straddle them), leaves the same bytes as one whole pack."""
     from weightsync.core.layout import Layout
+    from weightsync.transports.ray import group as ray_group
     from weightsync.transports.ray.stream import can_stream, streamed_pack
-    from weightsync.transports.ray.transport import group as ray_group
 
     monkeypatch.setattr(ray_group, "CHUNK_BYTES", 1000)
     flat = {"a": torch.randn(37, 11), "b": torch.arange(999, dtype=torch.int64),

@@ -384,7 +384,7 @@ def _request_ticket(address: str, pid: int, ticket: str) -> str:
 @needs_root
 @pytest.mark.multiuser
 def test_node_local_fds_need_a_one_time_ticket(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.transports.ray.transport import node_local as ray_local
+    from weightsync.transports.ray import node_local as ray_local
 
     monkeypatch.setattr(ray_local, "current_node_id", lambda: "this-node")
     local = ray_local.NodeLocalSender(max_slots=3)
