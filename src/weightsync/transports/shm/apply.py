@@ -124,7 +124,9 @@ def _follow(model: _ReceiverModel, worker_idx: int, packed: int, slot: _Slot,
         now = time.monotonic()
         if mark != last_mark:
             last_mark, last_move = mark, now
-        elif now - last_move > stall_s:
+        # once a poll follows a moving pack, a pause of the trainer's (a busy core) is not
+        # a stall: giving up would cost a restore, and a second copy at the next poll
+        elif now - last_move > (stall_s if index == 0 else STALL_S):
             model.stalled = (packed, mark)  # not followed again until it moves
             return False, index > 0
         copied = index
