@@ -105,6 +105,8 @@ def test_the_extension_names_the_bad_argument():
         ext.weightsync_connect("/tmp/weights", worker_idx=0, timeout="5")
     with pytest.raises(ValueError, match="absolute path"):
         ext.weightsync_connect("relative/weights", worker_idx=0, timeout=1)
+    with pytest.raises(ValueError, match="worker_offset must be an int >= 0"):
+        ext.weightsync_connect("/tmp/weights", timeout=1, worker_offset=-2)
 
 
 def test_the_vllm_backend_checks_its_infos_once():

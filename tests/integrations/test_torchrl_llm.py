@@ -184,3 +184,49 @@ def test_llm_collector_stamps_the_version_that_generated_each_frame(served, dire
             assert len(seen) == batches and len({str(t) for t in seen}) == batches
         finally:
             collector.shutdown()
+
+
+# ============================================================== AsyncVLLM fan-out
+class _Remote:
+    """An actor method whose ``.remote(...)`` answers at once (no Ray)."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _FakeReplica:
+    """A replica actor of ``ranks`` workers answering ``weightsync_call`` by local rank."""
+
+    def __init__(self, ranks: int):
+        self.calls: list[tuple] = []
+        self.collective_rpc_v1 = _Remote(self._rpc)
+        self._ranks = ranks
+
+    def _rpc(self, method, timeout, args, kwargs):
+        self.calls.append(args)
+        return [{"rank": r, "ok": 0} for r in range(self._ranks)]
+
+
+def test_async_vllm_driver_gives_every_replica_rank_its_own_index():
+    """Two replicas of two ranks: replica 1 connects its workers at offset 2, and the
+    driver reports engine-wide ranks 0..3 (Ray replaced by immediate answers)."""
+    from types import SimpleNamespace
+
+    from weightsync.integrations.torchrl.llm import AsyncVLLMDriver, engine_driver
+    from weightsync.integrations.vllm.driver import _world
+
+    replicas = [_FakeReplica(2), _FakeReplica(2)]
+    engine = type("AsyncVLLM", (), {})()
+    engine.actors = replicas
+    engine.engine_args = SimpleNamespace(tensor_parallel_size=2)
+    driver = engine_driver(engine)
+    assert isinstance(driver, AsyncVLLMDriver)
+    driver._ray = SimpleNamespace(get=lambda refs, timeout=None: list(refs))
+    assert driver.world_size == _world(driver) == 4
+    out = driver.collective_rpc("weightsync_call", args=("connect", "/w", None, 5.0, 4))
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert [r.calls[-1] for r in replicas] == [("connect", "/w", None, 5.0, 4, 0),
+                                               ("connect", "/w", None, 5.0, 4, 2)]
+    out = driver.collective_rpc("weightsync_call", args=("version",))
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert [r.calls[-1] for r in replicas] == [("version",), ("version",)]

@@ -11,8 +11,11 @@ the new version; a failure raises instead of being dropped."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -248,44 +251,126 @@ class AsyncVLLMDriver:
     """TorchRL's ``AsyncVLLM`` seen as one engine by ``connect_engine`` / ``update_engine``:
     each call runs on every Ray actor (replica), worker results in replica-major order.
 
-    TorchRL's replica actors expose ``sleep(level)`` without a pause mode, so vLLM's
-    default applies there: requests in flight are aborted (not drained), and they keep no
-    ``weight_version`` label. Not yet exercised against a real Ray-hosted engine."""
+    Worker calls go through the actors' ``collective_rpc_v1``; replica ``r``'s ranks
+    acknowledge as ``r * ranks_per_replica + rank``. Pause, resume and the
+    ``weight_version`` label are vLLM ``AsyncLLM`` calls run on each actor's own event loop
+    (TorchRL's actors expose ``sleep(level)`` without vLLM's pause mode), so requests in
+    flight drain on the old weights (``mode="wait"``) rather than being aborted."""
 
-    def __init__(self, engine: Any) -> None:
+    #: seconds between two looks at an engine call running on an actor
+    poll_interval = 0.005
+
+    def __init__(self, engine: Any, timeout: float = 300.0) -> None:
         import ray
 
         self._ray = ray
         self.engine = engine
         self.actors = list(engine.actors)
-        self.llm_engine = None  # _world() then counts one rank; each rank still acks its own
+        if not self.actors:
+            raise RuntimeError("the AsyncVLLM has no replica actors (not launched, or shut down)")
+        args = engine.engine_args
+        self.ranks_per_replica = (int(getattr(args, "tensor_parallel_size", 1) or 1)
+                                  * int(getattr(args, "pipeline_parallel_size", 1) or 1)
+                                  * int(getattr(args, "data_parallel_size", 1) or 1))
+        self.timeout = float(timeout)
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of all replicas: each acknowledges versions under its own index."""
+        return len(self.actors) * self.ranks_per_replica
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         refs = [getattr(actor, method).remote(*args) for actor in self.actors]
-        return list(self._ray.get(refs))
+        return list(self._ray.get(refs, timeout=self.timeout))
+
+    def _engine_all(self, method: str, **kwargs: Any) -> list[Any]:
+        """``await actor.engine.<method>(**kwargs)`` (vLLM's ``AsyncLLM``) on every replica,
+        on the actor's event loop; each replica's result."""
+        keys = self._ray.get([actor.__ray_call__.remote(_start_engine_call, method, kwargs)
+                              for actor in self.actors], timeout=self.timeout)
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(results) < len(self.actors):
+            pending = [i for i in range(len(self.actors)) if i not in results]
+            polls = self._ray.get([self.actors[i].__ray_call__.remote(_poll_engine_call, keys[i])
+                                   for i in pending], timeout=self.timeout)
+            for i, (done, result) in zip(pending, polls, strict=True):
+                if done:
+                    results[i] = result
+            if len(results) < len(self.actors):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"AsyncVLLM replicas {sorted(set(pending) - set(results))}"
+                                       f": engine.{method} still running after {self.timeout}s")
+                time.sleep(self.poll_interval)
+        return [results[i] for i in range(len(self.actors))]
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        """Run ``method`` on every worker of every replica; ranks are made engine-wide."""
+        """Run ``method`` on every worker of every replica; ranks are made engine-wide (and
+        a ``connect`` tells each replica's workers the ranks before theirs)."""
+        connect = method == "weightsync_call" and bool(args) and args[0] == "connect"
+        refs = []
+        for replica, actor in enumerate(self.actors):
+            call_args = args
+            if connect:  # ("connect", directory, worker_idx, timeout, num_workers[, offset])
+                call_args = (*args[:5], *[None] * (5 - len(args)),
+                             replica * self.ranks_per_replica)
+            refs.append(actor.collective_rpc_v1.remote(method, None, call_args, None))
         out: list[Any] = []
-        for replica, results in enumerate(self._all("collective_rpc_v1", method, None, args,
-                                                    None)):
+        for replica, results in enumerate(self._ray.get(refs, timeout=self.timeout)):
             for result in results:
                 if isinstance(result, dict) and "rank" in result:
-                    result = {**result, "rank": replica * len(results) + int(result["rank"])}
+                    rank = replica * self.ranks_per_replica + int(result["rank"])
+                    result = {**result, "rank": rank}
                 out.append(result)
         return out
 
     def reset_prefix_cache(self) -> None:
-        self._all("reset_prefix_cache")
+        """Empty every replica's prefix cache; warns where vLLM reports it only partly
+        cleared (blocks still held by requests in flight)."""
+        for replica, cleared in enumerate(self._all("reset_prefix_cache")):
+            if cleared is False:
+                logger.warning("AsyncVLLM replica %d: prefix cache not fully reset", replica)
 
     def sleep(self, level: int = 0, mode: str = "wait") -> None:
-        self._all("sleep", level)
+        """vLLM's pause on every replica (``level=0``: stop scheduling, keep the KV cache;
+        ``mode``: drain requests in flight, or abort them)."""
+        self._engine_all("sleep", level=level, mode=mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """Resume every replica (``tags=["scheduling"]`` after a ``level=0`` pause)."""
         self._all("wake_up", tags)
 
     def update_weight_version(self, version: str) -> None:
-        logger.debug("AsyncVLLM replicas keep no weight_version label (version %s)", version)
+        """Label every replica's engine with ``version`` (vLLM's ``weight_version``)."""
+        self._engine_all("update_weight_version", new_version=version)
+
+    def get_weight_version(self) -> list[str]:
+        """Each replica's ``weight_version`` label."""
+        return [str(v) for v in self._engine_all("get_weight_version")]
+
+
+#: engine calls started on a replica actor and not yet collected, by key
+_ENGINE_CALLS: dict[int, Any] = {}
+_ENGINE_CALL_KEYS = itertools.count()
+
+
+def _start_engine_call(actor: Any, method: str, kwargs: dict[str, Any]) -> int:
+    """Inside a replica actor (``__ray_call__``, on its event loop): start
+    ``actor.engine.<method>(**kwargs)`` as a task; returns the key to poll it by."""
+    task = asyncio.ensure_future(getattr(actor.engine, method)(**kwargs))
+    key = next(_ENGINE_CALL_KEYS)
+    _ENGINE_CALLS[key] = task
+    return key
+
+
+def _poll_engine_call(actor: Any, key: int) -> tuple[bool, Any]:
+    """Inside a replica actor: ``(False, None)`` while call ``key`` runs, then
+    ``(True, result)`` once (its exception, if it failed, is raised to the caller)."""
+    task = _ENGINE_CALLS[key]
+    if not task.done():
+        return False, None
+    del _ENGINE_CALLS[key]
+    return True, task.result()
 
 
 # ============================================================== collector

@@ -76,7 +76,11 @@ def connect_engine(llm: Any, directory: str, *, timeout: float = 60.0) -> int:
 
 
 def _world(llm: Any) -> int:
-    """How many workers ``llm`` has (all ranks of all its data-parallel replicas)."""
+    """How many workers ``llm`` has (all ranks of all its data-parallel replicas); an engine
+    made of several (TorchRL's ``AsyncVLLM`` driver) names its total as ``world_size``."""
+    total = getattr(llm, "world_size", None)
+    if isinstance(total, int) and not isinstance(total, bool):
+        return total
     config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     parallel = getattr(config, "parallel_config", None)
     if parallel is None:

@@ -41,11 +41,16 @@ def engine_directory(directory: object) -> str:
 
 
 def connect_receiver(
-    worker: Any, directory: str, worker_idx: int | None, timeout: float, num_workers: int | None
+    worker: Any, directory: str, worker_idx: int | None, timeout: float, num_workers: int | None,
+    worker_offset: int = 0,
 ) -> VLLMDoubleBufferWeightReceiver:
     """A receiver for ``worker`` on ``directory`` that loads through vLLM's reload path,
-    connected: it holds the newest committed version (or raises within ``timeout``)."""
-    idx = worker_rank(worker) if worker_idx is None else checked_int(worker_idx, "worker_idx")
+    connected: it holds the newest committed version (or raises within ``timeout``).
+    Its index is ``worker_idx``, else ``worker_offset`` plus the worker's rank."""
+    if worker_idx is None:
+        idx = checked_int(worker_offset, "worker_offset", 0) + worker_rank(worker)
+    else:
+        idx = checked_int(worker_idx, "worker_idx")
     count = idx + 1 if num_workers is None else checked_int(num_workers, "num_workers", 1)
     scheme = VLLMDoubleBufferSyncScheme(
         engine_directory(directory), num_workers=max(count, idx + 1), timeout=timeout
@@ -88,15 +93,17 @@ class WeightSyncWorkerExtension:
 
     def weightsync_connect(
         self, directory: str, worker_idx: int | None = None, timeout: float = 60.0,
-        num_workers: int | None = None,
+        num_workers: int | None = None, worker_offset: int = 0,
     ) -> int:
         """Attach to ``directory`` and load the newest committed version; returns it.
 
-        ``worker_idx`` defaults to this worker's rank, so each tensor-parallel rank
-        acknowledges on its own. A model whose layout differs from the slots' raises
+        ``worker_idx`` defaults to this worker's rank plus ``worker_offset`` (the ranks of
+        the engines before this one, when several engines read one directory), so each
+        rank acknowledges on its own. A model whose layout differs from the slots' raises
         ``SchemaMismatchError`` naming the key; no committed version within ``timeout``
         raises ``WeightSyncTimeoutError``."""
-        receiver = connect_receiver(self, directory, worker_idx, timeout, num_workers)
+        receiver = connect_receiver(self, directory, worker_idx, timeout, num_workers,
+                                    worker_offset)
         if self._weightsync_receiver is not None:  # replaced only once the new one holds a version
             self._weightsync_receiver.close()
         self._weightsync_receiver = receiver
