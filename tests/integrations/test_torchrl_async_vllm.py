@@ -99,17 +99,20 @@ def directory() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def sampling(max_tokens: int) -> Any:
+def sampling(max_tokens: int, ignore_eos: bool = False) -> Any:
+    """Greedy decoding; it stops at the end-of-sequence token as transformers' ``generate``
+    does, unless ``ignore_eos``."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                           detokenize=False)
 
 
 def async_greedy(engine: Any, prompts: list[list[int]] = PROMPTS,
-                 new_tokens: int = vm.NEW_TOKENS) -> list[list[int]]:
+                 new_tokens: int = vm.NEW_TOKENS, ignore_eos: bool = False) -> list[list[int]]:
     """The engine's greedy continuation of each prompt (new tokens only)."""
-    outputs = engine.generate(prompt_token_ids=prompts, sampling_params=sampling(new_tokens))
+    outputs = engine.generate(prompt_token_ids=prompts,
+                              sampling_params=sampling(new_tokens, ignore_eos))
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -140,16 +143,16 @@ def test_async_vllm_follows_the_trainer_after_every_update(async_engine, directo
         assert time.perf_counter() - started < 1.0, "a poll with nothing new must not wait"
 
         # a request in flight during an update: it finishes (not aborted) on ONE version
-        old = async_greedy(async_engine, [IN_FLIGHT_PROMPT], IN_FLIGHT_TOKENS)[0]
+        old = async_greedy(async_engine, [IN_FLIGHT_PROMPT], IN_FLIGHT_TOKENS, True)[0]
         vm.perturb(trainer, 4)
         assert sender.update_weights() == 4
         actor = async_engine.actors[0]
         running = actor.generate.remote(prompt_token_ids=IN_FLIGHT_PROMPT,
-                                        sampling_params=sampling(IN_FLIGHT_TOKENS))
+                                        sampling_params=sampling(IN_FLIGHT_TOKENS, True))
         time.sleep(0.2)
         assert receiver.poll_and_apply(timeout=60) is True
         done = ray.get(running, timeout=120).outputs[0]
-        new = async_greedy(async_engine, [IN_FLIGHT_PROMPT], IN_FLIGHT_TOKENS)[0]
+        new = async_greedy(async_engine, [IN_FLIGHT_PROMPT], IN_FLIGHT_TOKENS, True)[0]
         assert old != new
         assert done.finish_reason == "length", f"the request in flight ended: {done.finish_reason}"
         tokens = list(done.token_ids)

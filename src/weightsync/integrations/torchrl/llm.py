@@ -12,10 +12,8 @@ the new version; a failure raises instead of being dropped."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -257,9 +255,6 @@ class AsyncVLLMDriver:
     (TorchRL's actors expose ``sleep(level)`` without vLLM's pause mode), so requests in
     flight drain on the old weights (``mode="wait"``) rather than being aborted."""
 
-    #: seconds between two looks at an engine call running on an actor
-    poll_interval = 0.005
-
     def __init__(self, engine: Any, timeout: float = 300.0) -> None:
         import ray
 
@@ -285,24 +280,10 @@ class AsyncVLLMDriver:
 
     def _engine_all(self, method: str, **kwargs: Any) -> list[Any]:
         """``await actor.engine.<method>(**kwargs)`` (vLLM's ``AsyncLLM``) on every replica,
-        on the actor's event loop; each replica's result."""
-        keys = self._ray.get([actor.__ray_call__.remote(_start_engine_call, method, kwargs)
-                              for actor in self.actors], timeout=self.timeout)
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
-        while len(results) < len(self.actors):
-            pending = [i for i in range(len(self.actors)) if i not in results]
-            polls = self._ray.get([self.actors[i].__ray_call__.remote(_poll_engine_call, keys[i])
-                                   for i in pending], timeout=self.timeout)
-            for i, (done, result) in zip(pending, polls, strict=True):
-                if done:
-                    results[i] = result
-            if len(results) < len(self.actors):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"AsyncVLLM replicas {sorted(set(pending) - set(results))}"
-                                       f": engine.{method} still running after {self.timeout}s")
-                time.sleep(self.poll_interval)
-        return [results[i] for i in range(len(self.actors))]
+        on the event loop its engine runs on; each replica's result."""
+        refs = [actor.__ray_call__.remote(_run_on_engine_loop, method, kwargs, self.timeout)
+                for actor in self.actors]
+        return list(self._ray.get(refs, timeout=self.timeout + 10.0))
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """Run ``method`` on every worker of every replica; ranks are made engine-wide (and
@@ -349,28 +330,31 @@ class AsyncVLLMDriver:
         return [str(v) for v in self._engine_all("get_weight_version")]
 
 
-#: engine calls started on a replica actor and not yet collected, by key
-_ENGINE_CALLS: dict[int, Any] = {}
-_ENGINE_CALL_KEYS = itertools.count()
+def _engine_loop(engine: Any) -> asyncio.AbstractEventLoop | None:
+    """The event loop a vLLM ``AsyncLLM`` runs its tasks on (its output handler's, else its
+    engine-core client's: started by the first request or RPC); None before either."""
+    core = getattr(getattr(engine, "engine_core", None), "resources", None)
+    for task in (getattr(engine, "output_handler", None), getattr(core, "output_queue_task", None)):
+        if isinstance(task, asyncio.Future):
+            return task.get_loop()
+    return None
 
 
-def _start_engine_call(actor: Any, method: str, kwargs: dict[str, Any]) -> int:
-    """Inside a replica actor (``__ray_call__``, on its event loop): start
-    ``actor.engine.<method>(**kwargs)`` as a task; returns the key to poll it by."""
-    task = asyncio.ensure_future(getattr(actor.engine, method)(**kwargs))
-    key = next(_ENGINE_CALL_KEYS)
-    _ENGINE_CALLS[key] = task
-    return key
-
-
-def _poll_engine_call(actor: Any, key: int) -> tuple[bool, Any]:
-    """Inside a replica actor: ``(False, None)`` while call ``key`` runs, then
-    ``(True, result)`` once (its exception, if it failed, is raised to the caller)."""
-    task = _ENGINE_CALLS[key]
-    if not task.done():
-        return False, None
-    del _ENGINE_CALLS[key]
-    return True, task.result()
+def _run_on_engine_loop(actor: Any, method: str, kwargs: dict[str, Any], timeout: float) -> Any:
+    """Inside a replica actor (``__ray_call__``, which Ray runs off the actor's event loop):
+    ``await actor.engine.<method>(**kwargs)`` on the engine's loop; its result."""
+    loop = _engine_loop(actor.engine)
+    if loop is None:
+        raise RuntimeError("this AsyncVLLM replica's engine has no event loop yet "
+                           "(no request or RPC reached it)")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        raise RuntimeError("called on the engine's own event loop: it cannot wait for itself")
+    future = asyncio.run_coroutine_threadsafe(getattr(actor.engine, method)(**kwargs), loop)
+    return future.result(timeout)
 
 
 # ============================================================== collector
