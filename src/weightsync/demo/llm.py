@@ -80,6 +80,11 @@ class LLMDemoResult:
 
 def _engine(model_dir: Path, options: LLMDemoOptions) -> Any:
     os.environ.update(ENGINE_ENV)
+    tp = options.tensor_parallel
+    if tp > 1 and not torch.cuda.is_available():
+        # vLLM's CPU build binds each rank's threads per NUMA node; one node here: one core each
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp)))
     from vllm import LLM
 
     from weightsync.integrations.vllm import EXTENSION_CLS
@@ -87,9 +92,7 @@ def _engine(model_dir: Path, options: LLMDemoOptions) -> Any:
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                dtype="float32", max_model_len=64, max_num_seqs=options.prompts * options.group,
                seed=options.seed, enable_prefix_caching=True, block_size=32,
-               tensor_parallel_size=options.tensor_parallel,
-               distributed_executor_backend="mp" if options.tensor_parallel > 1 else None,
-               worker_extension_cls=EXTENSION_CLS)
+               tensor_parallel_size=tp, worker_extension_cls=EXTENSION_CLS)
 
 
 def _shutdown(llm: Any) -> None:
