@@ -52,7 +52,7 @@ class LLMDemoOptions:
     tensor_parallel: int = 1
     prompts: int = 8
     group: int = 8
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     check_every: int = 10
     seed: int = 0
     output_dir: str = "demo-output"
