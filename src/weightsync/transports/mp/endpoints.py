@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping
 
@@ -35,10 +34,6 @@ from weightsync.transports.mp.transport import MPTransport
 
 #: the MultiProcess transport's messages
 LAYOUT, WEIGHTS = "mp.layout", "mp.weights"
-#: a send whose deadline passed while a worker's transfer was under way waits up to this
-#: long (seconds) for that transfer to give up, which it does at the same deadline: the
-#: worker is then reported dropped (WorkerLostError), not merely slow
-TRANSFER_GRACE = 0.3
 #: a rejoin gets at least this long (seconds), even from poll() or a short receive(): it is
 #: one local handshake, and giving up half-way would only start it over
 REJOIN_SECONDS = 5.0
@@ -100,23 +95,10 @@ class StreamWriter:
 
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
-        """Until the targets acked ``version``. A target still mid-transfer at the deadline
-        is dropped by its streamer when that transfer runs out (at the same deadline): that
-        moment is awaited, so the send names it lost (its worker is told it was dropped)
-        instead of racing the streamer to a bare timeout."""
-        try:
-            self.members.wait_acked(targets, version, deadline, lost)
-        except WeightSyncTimeoutError as exc:
-            with self._streamers_lock:
-                ends = [s.gives_up_at() for w, s in self._streamers.items() if w in exc.worker_ids]
-            last = max((t for t in ends if t is not None), default=None)
-            grace = None if last is None else last - time.monotonic() + TRANSFER_GRACE
-            if grace is None or grace > 2 * TRANSFER_GRACE:
-                raise
-            try:
-                self.members.wait_acked(targets, version, Deadline(max(grace, 0.0)), lost)
-            except WeightSyncTimeoutError:
-                raise exc from None
+        """Until the targets acked ``version``, within the send's one deadline (a target still
+        mid-transfer then is named in the timeout; its streamer drops it when that transfer
+        runs out, at the same deadline, and its worker is told it was dropped)."""
+        self.members.wait_acked(targets, version, deadline, lost)
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         self.members.wait_joined(version, deadline)

@@ -20,7 +20,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -132,7 +131,6 @@ class Streamer:
         self._sent_version = -1
         self._sent_layout = False
         self._pipe: PipeWriter | None = None  # the worker's page-mapping pipe, if it has one
-        self._gives_up_at: float | None = None  # when the transfer under way runs out
         self._stop = False
         self._thread = threading.Thread(
             target=self._run, name=f"weightsync-stream-{worker_idx}", daemon=True
@@ -143,11 +141,6 @@ class Streamer:
     def through_pipe(self) -> bool:
         """Whether this worker's bytes go through a page-mapping pipe (else the socket)."""
         return self._pipe is not None
-
-    def gives_up_at(self) -> float | None:
-        """When (``time.monotonic()``) the transfer under way fails if the worker does not
-        take it; None while no transfer is under way."""
-        return self._gives_up_at
 
     def offer(self, version: int, deadline: Deadline | None = None) -> None:
         """Ask for ``version`` (the pool's newest) to be sent by ``deadline``."""
@@ -209,17 +202,13 @@ class Streamer:
         # a deadline that passed while we were busy with an older version still leaves
         # this transfer a short grace, so a healthy worker is never dropped for it
         timeout = max(deadline.remaining() or 0.0, 1.0) if deadline.timeout is not None else None
-        self._gives_up_at = None if timeout is None else time.monotonic() + timeout
-        try:
-            if self._pipe is not None:
-                self._stream_through_pipe(self._pipe, snapshot, Deadline(timeout))
-            elif snapshot.complete:
-                self.channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=timeout)
-            else:  # still being packed: write each piece as soon as it is packed
-                self.channel.send_stream(snapshot.header(), snapshot.layout.nbytes,
-                                         snapshot.pieces(Deadline(timeout)), timeout=timeout)
-        finally:
-            self._gives_up_at = None
+        if self._pipe is not None:
+            self._stream_through_pipe(self._pipe, snapshot, Deadline(timeout))
+        elif snapshot.complete:
+            self.channel.send(snapshot.header(), as_bytes(snapshot.buffer), timeout=timeout)
+        else:  # still being packed: write each piece as soon as it is packed
+            self.channel.send_stream(snapshot.header(), snapshot.layout.nbytes,
+                                     snapshot.pieces(Deadline(timeout)), timeout=timeout)
         with self._cond:
             self._sent_version = max(self._sent_version, snapshot.version)
 
