@@ -7,6 +7,7 @@ value that no version had)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ pytest.importorskip("gymnasium", reason="gymnasium is not installed")
 
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.weight_update import WeightSyncScheme as TorchRLWeightSyncScheme
-from torchrl_helpers import fill_, make_cartpole, make_probe_policy
+from torchrl_helpers import fill_, make_cartpole, make_filled_probe, make_probe_policy
 
 import weightsync as ws
 from weightsync.integrations.torchrl import (
@@ -73,8 +74,8 @@ def test_one_import_line_gives_torchrl_schemes() -> None:
                       SharedMemWeightSyncScheme)
     assert isinstance(TorchRLWeightSyncScheme.from_backend("weightsync-process", sync=False),
                       MultiProcessWeightSyncScheme)
-    with pytest.raises(ValueError, match="per_worker_weights"):
-        SharedMemWeightSyncScheme(per_worker_weights=True)
+    assert SharedMemWeightSyncScheme(per_worker_weights=True).per_worker_weights is True
+    assert SharedMemWeightSyncScheme().per_worker_weights is False
 
 
 def test_weightsync_imports_without_torchrl() -> None:
@@ -262,6 +263,187 @@ def test_stateless_policy_factory_is_refused_as_torchrl_refuses_it() -> None:
         with pytest.raises(TypeError, match="RandomPolicy"):
             MultiSyncCollector([make_cartpole], policy_factory=stateless, frames_per_batch=50,
                                total_frames=100, weight_sync_schemes={"policy": scheme})
+
+
+# ---------------------------------------------------------------------- per-worker weights
+def probe_values(batch: Any) -> torch.Tensor:
+    """The value every weight held behind each frame (one per frame: a frame computed from
+    a torn policy, min != max, fails)."""
+    lo, hi = batch["probe_min"], batch["probe_max"]
+    assert torch.equal(lo, hi), "a frame was computed from weights of mixed versions"
+    return lo
+
+
+def probe_weights(value: float, width: int = 256) -> Any:
+    from tensordict import TensorDict
+
+    return TensorDict.from_module(make_filled_probe(value, width)).data
+
+
+def test_per_worker_weights_need_per_worker_streams() -> None:
+    """Without per-worker weights, a {worker: weights} dict is refused by name; params_map
+    comes alone, as with TorchRL; the Ray scheme refuses per-worker weights."""
+    from weightsync.integrations.torchrl import RayWeightSyncScheme
+
+    scheme = SharedMemWeightSyncScheme(timeout=10)
+    with pytest.raises(ValueError, match="params_map comes alone"):
+        scheme.init_on_sender(params_map={0: probe_weights(1.0)}, model=make_probe_policy())
+    with pytest.raises(ValueError, match="every worker index"):
+        SharedMemWeightSyncScheme().init_on_sender(params_map={1: probe_weights(1.0)})
+    with pytest.raises(ValueError, match="per-worker weights"):
+        RayWeightSyncScheme()._init_on_sender_impl(params_map={0: probe_weights(1.0)},
+                                                   remote_collectors=[object()])
+
+    policy = make_probe_policy()
+    collector = MultiSyncCollector([make_cartpole], policy, frames_per_batch=20,
+                                   total_frames=100,
+                                   weight_sync_schemes={"policy": SharedMemWeightSyncScheme()})
+    try:
+        with pytest.raises(ValueError, match="per_worker_weights=True"):
+            collector.update_policy_weights_({0: probe_weights(1.0)})
+    finally:
+        collector.shutdown()
+    assert weightsync_threads() == []
+
+
+def test_per_worker_weights_with_distinct_factories() -> None:
+    """TorchRL's test_per_worker_weight_sync_with_distinct_factories and
+    ..._multiple_workers_update, on our scheme: each worker's policy comes from its own
+    factory (worker 2's of another layout), version 0 is each factory's weights, and each
+    worker has its own stream of versions. An update of one worker, of all at once, of a
+    subset (worker_ids=), each reaches exactly the named workers' next batch, whole (every
+    frame's min == max), as a snapshot of the weights at the call, with the worker's own
+    version in its policy_version tags."""
+    factories = [functools.partial(make_filled_probe, 0.0),
+                 functools.partial(make_filled_probe, 10.0),
+                 functools.partial(make_filled_probe, 20.0, width=128)]
+    scheme = SharedMemWeightSyncScheme(per_worker_weights=True, timeout=60)
+    collector = MultiSyncCollector([make_cartpole] * 3, policy_factory=factories,
+                                   frames_per_batch=60, total_frames=60 * 50,
+                                   weight_sync_schemes={"policy": scheme},
+                                   track_policy_version=True, cat_results="stack")
+    procs = list(collector.procs)
+    try:
+        batches = iter(collector)
+
+        def expect(values: list[float], versions: list[int]) -> None:
+            batch = next(batches)
+            for worker in range(3):
+                assert set(probe_values(batch)[worker].tolist()) == {values[worker]}, worker
+                assert set(batch["policy_version"][worker].tolist()) == {versions[worker]}
+                assert set(batch["next", "policy_version"][worker].tolist()) == {
+                    versions[worker]}
+
+        expect([0.0, 10.0, 20.0], [0, 0, 0])
+
+        # one worker: the others keep their weights and their versions
+        w0 = probe_weights(100.0)
+        collector.update_policy_weights_({0: w0})
+        w0.apply_(lambda t: t.fill_(999.0))  # after the call: a snapshot, never seen
+        expect([100.0, 10.0, 20.0], [1, 0, 0])
+
+        # every worker at once, each its own weights (worker 2 in its own layout)
+        collector.update_policy_weights_({0: probe_weights(200.0), 1: probe_weights(300.0),
+                                          2: probe_weights(400.0, width=128)})
+        expect([200.0, 300.0, 400.0], [2, 1, 1])
+
+        # a subset: the same weights to workers 0 and 1 only
+        collector.update_policy_weights_(probe_weights(500.0), worker_ids=[0, 1])
+        expect([500.0, 500.0, 400.0], [3, 2, 1])
+
+        # a subset of a per-worker dict: only the worker named
+        collector.update_policy_weights_({1: probe_weights(600.0), 2: probe_weights(
+            700.0, width=128)}, worker_ids=[2])
+        expect([500.0, 500.0, 700.0], [3, 2, 2])
+        assert scheme.worker_versions == {0: 3, 1: 2, 2: 2}
+
+        # weights of another layout for worker 2 are refused by name, nothing sent
+        from weightsync import SchemaMismatchError
+
+        with pytest.raises(SchemaMismatchError):
+            collector.update_policy_weights_({2: probe_weights(1.0)})
+        assert scheme.worker_versions == {0: 3, 1: 2, 2: 2}
+        expect([500.0, 500.0, 700.0], [3, 2, 2])
+    finally:
+        collector.shutdown()
+    assert not wait_dead(procs), "collector workers still alive after shutdown()"
+    assert weightsync_threads() == []
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEMES))
+def test_params_map_before_the_collector(kind: str) -> None:
+    """TorchRL's test_update_weights_shared_mem on our schemes: init_on_sender(params_map=)
+    before the collector (which then skips its own init_on_sender). Each worker's weights
+    are its params_map entry, read at every update (here the trainer policy's own
+    tensors): each batch comes from one whole version, the newest at its start."""
+    from tensordict import TensorDict
+
+    policy = make_probe_policy()
+    fill_(policy, BASE)
+    weights = TensorDict.from_module(policy)  # the policy's own tensors
+    scheme = SCHEMES[kind](timeout=60)
+    scheme.init_on_sender(params_map={0: weights, 1: weights})
+    collector = MultiAsyncCollector([make_cartpole] * 2, policy, frames_per_batch=50,
+                                    total_frames=600, weight_sync_schemes={"policy": scheme},
+                                    track_policy_version=True)
+    procs = list(collector.procs)
+    seen = []
+    try:
+        for batch in collector:
+            (version,) = set(assert_tags_match_weights(batch).tolist())
+            assert version <= scheme.version
+            seen.append(version)
+            fill_(policy, BASE + scheme.version + 1)
+            collector.update_policy_weights_()
+            assert scheme.worker_versions == {0: scheme.version, 1: scheme.version}
+        assert torch.equal(weights["module", "weight"], policy.module.weight)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()  # made before the collector: the collector never closes it
+    assert max(seen) >= 3, f"versions did not advance: {seen}"
+    assert not wait_dead(procs)
+    assert weightsync_threads() == []
+
+
+def test_device_map_fn_and_killed_worker_with_per_worker_weights() -> None:
+    """init_on_sender(model=, device_map_fn=, num_workers=) before the collector: each worker
+    gets device_map_fn(worker, weights) (here, worker 1 the weights + 1). A worker killed
+    is named (WorkerLostError, worker_ids == (1,)); the survivor still takes versions."""
+    policy = make_probe_policy()
+    fill_(policy, BASE)
+
+    def device_map_fn(worker: int, weights: Any) -> Any:
+        return weights.apply(lambda t: t + worker)
+
+    scheme = SharedMemWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=policy, device_map_fn=device_map_fn, num_workers=2)
+    collector = MultiSyncCollector([make_cartpole] * 2, policy, frames_per_batch=100,
+                                   total_frames=10_000, weight_sync_schemes={"policy": scheme})
+    procs = list(collector.procs)
+    try:
+        batches = iter(collector)
+        values = probe_values(next(batches))
+        assert [set(values[w].tolist()) for w in (0, 1)] == [{BASE}, {BASE + 1}]
+        fill_(policy, BASE + 5)
+        collector.update_policy_weights_()
+        values = probe_values(next(batches))
+        assert [set(values[w].tolist()) for w in (0, 1)] == [{BASE + 5}, {BASE + 6}]
+
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(30)
+        t0 = time.monotonic()
+        with pytest.raises(ws.WorkerLostError, match="worker") as info:
+            collector.update_policy_weights_()
+        assert info.value.worker_ids == (1,)
+        assert time.monotonic() - t0 < 30
+        fill_(policy, BASE + 7)
+        collector.update_policy_weights_(worker_ids=[0])
+        assert scheme.worker_versions[0] == 3
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert not wait_dead(procs)
+    assert weightsync_threads() == []
 
 
 @pytest.mark.ray

@@ -43,3 +43,16 @@ def fill_(policy: nn.Module, value: float) -> None:
     """Write ``value`` into every weight of ``policy`` (the trainer's "new version")."""
     for tensor in policy.state_dict(keep_vars=True).values():
         tensor.data.fill_(value)
+
+
+def make_filled_probe(value: float, width: int = 256) -> nn.Module:
+    """A probe policy whose weights all hold ``value`` (a per-worker factory, with
+    ``functools.partial``; ``width`` sets its layout)."""
+    from tensordict.nn import TensorDictModule
+
+    probe = VersionProbe(width)
+    with torch.no_grad():
+        probe.weight.fill_(value)
+        probe.stat.fill_(value)
+    return TensorDictModule(probe, in_keys=["observation"],
+                            out_keys=["action", "probe_min", "probe_max"])

@@ -29,8 +29,23 @@ from weightsync.integrations.torchrl.collector_hooks import (
     tracked_version,
     worker_indices,
 )
+from weightsync.integrations.torchrl.per_worker import (
+    DeviceMapFn,
+    PerWorkerSenders,
+    distinct_factories,
+    is_per_worker_dict,
+)
 
 logger = logging.getLogger(__name__)
+
+def _trainer_policy(collector: Any, model_id: str) -> Any:
+    """The model ``collector`` holds on the trainer under ``model_id``, or None (a
+    collector given only policy factories)."""
+    try:
+        return _resolve_model(collector, model_id)
+    except (AttributeError, KeyError):
+        return None
+
 
 def _published_beyond(receiver: ws.WeightReceiver) -> bool:
     """Whether the sender already published a newer version than the one this receiver
@@ -48,13 +63,19 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
 
     _weightsync_class: Callable[..., ws.WeightSyncScheme]
     #: attributes that stay in the process that made them (never pickled to a worker)
-    _process_local: tuple[str, ...] = ("_sender", "_receiver", "_hooked", "_hook_handle")
+    _process_local: tuple[str, ...] = ("_sender", "_receiver", "_hooked", "_hook_handle",
+                                       "_per_worker")
     #: whether a batch start waits (up to ``timeout``) for a version already published whose
     #: bytes are still on their way: only where they come while this thread waits
     _wait_for_published: bool = True
     #: whether a policy that is no module (TorchRL's ``RandomPolicy``) is taken, with nothing
     #: to sync (TorchRL's Ray scheme), or refused (TorchRL's process schemes refuse it)
     _accepts_stateless_policy: bool = False
+    #: whether each worker may have its own weights (``params_map``, ``device_map_fn``,
+    #: distinct policy factories, per-worker weight dicts): one weightsync scheme per worker
+    _per_worker_capable: bool = True
+    #: TorchRL's flag: each worker its own weights (set by the schemes that take it)
+    per_worker_weights: bool = False
 
     def __init__(self, strategy: str = "tensordict", sync: bool = True, *,
                  timeout: float = 60.0, connect_timeout: float = 300.0) -> None:
@@ -65,6 +86,8 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self._ws: ws.WeightSyncScheme | None = None   # picklable: travels to the workers
+        self._streams: list[ws.WeightSyncScheme] | None = None  # per-worker: one per worker
+        self._per_worker: PerWorkerSenders | None = None  # the trainer's ends of _streams
         self._worker_devices: list[str] = []
         self._local = False                            # a single-process Collector
         self._no_weights = False                       # a policy without tensors: no-op sync
@@ -79,8 +102,25 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
 
     @property
     def weightsync_scheme(self) -> ws.WeightSyncScheme | None:
-        """The weightsync scheme underneath (``None`` before ``init_on_sender``)."""
+        """The weightsync scheme underneath (``None`` before ``init_on_sender``, and with
+        per-worker weights: see ``weightsync_schemes``)."""
         return self._ws
+
+    @property
+    def weightsync_schemes(self) -> list[ws.WeightSyncScheme]:
+        """With per-worker weights, worker ``i``'s own weightsync scheme (one worker each);
+        otherwise the one scheme all workers share (empty before ``init_on_sender``)."""
+        if self._streams is not None:
+            return list(self._streams)
+        return [self._ws] if self._ws is not None else []
+
+    @property
+    def worker_versions(self) -> dict[int, int]:
+        """On the trainer, the newest version sent to each worker (with per-worker weights
+        each worker counts its own; otherwise every worker shares the scheme's count)."""
+        if self._per_worker is not None:
+            return self._per_worker.versions
+        return {idx: self.version for idx in range(len(self._worker_devices))}
 
     @property
     def is_receiver(self) -> bool:
@@ -90,6 +130,8 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
     @property
     def version(self) -> int:
         """The version this end holds: the newest sent (trainer) or applied (worker)."""
+        if self._per_worker is not None:  # the newest any worker was sent
+            return max(self._per_worker.versions.values(), default=-1)
         end = self._sender if self._sender is not None else self._receiver
         return end.version if end is not None else -1
 
@@ -99,12 +141,23 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
                              devices: list[Any] | None = None, device_map_fn: Any = None,
                              num_workers: int | None = None, ctx: Any = None,
                              **kwargs: Any) -> None:
-        if params_map is not None or device_map_fn is not None:
-            raise ValueError(
-                f"{type(self).__name__}: params_map/device_map_fn give each worker its own "
-                "weights, which weightsync does not do (every worker receives the same "
-                "versions); pass model=/weights= with devices= or num_workers= instead"
-            )
+        factories = (distinct_factories(context) if context is not None
+                     and (model_id or "policy") == "policy" and model is None
+                     and weights is None else None)
+        if factories is not None and _trainer_policy(context, "policy") is not None:
+            factories = None  # the trainer holds the policy: its weights go to every worker
+        if (params_map is not None or device_map_fn is not None or self.per_worker_weights
+                or factories is not None):
+            if not self._per_worker_capable:
+                raise ValueError(
+                    f"{type(self).__name__}: per-worker weights (params_map, device_map_fn, "
+                    "distinct policy factories) are not supported by this scheme; every "
+                    "worker receives the same versions (use worker_ids= for a subset)")
+            self._init_per_worker(model_id=model_id, context=context, weights=weights,
+                                  model=model, params_map=params_map, devices=devices,
+                                  device_map_fn=device_map_fn, num_workers=num_workers,
+                                  factories=factories)
+            return
         self.model_id = model_id or "policy"
         if context is not None:
             self.context = context
@@ -151,6 +204,67 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         logger.info("%s for %r: sender ready for %d worker(s)", type(self).__name__,
                     self.model_id, num_workers)
 
+    def _init_per_worker(self, *, model_id: str | None, context: Any, weights: Any,
+                         model: Any, params_map: Any, devices: list[Any] | None,
+                         device_map_fn: DeviceMapFn | None, num_workers: int | None,
+                         factories: list[Callable[[], Any]] | None) -> None:
+        """Each worker its own weightsync scheme (for one worker): its own versions, its
+        own layout. Worker ``i``'s weights: ``params_map[i]``, else its factory's policy
+        (distinct factories), else the model/weights; through ``device_map_fn`` if given."""
+        name = type(self).__name__
+        self.per_worker_weights = True
+        self.model_id = model_id or "policy"
+        sources: list[Any]
+        if params_map is not None:
+            if any(x is not None for x in (context, model, weights, devices, device_map_fn)):
+                raise ValueError(f"{name}: params_map comes alone (as with TorchRL): no "
+                                 "context, model, weights, devices or device_map_fn beside it")
+            if (not isinstance(params_map, dict) or not params_map
+                    or sorted(params_map) != list(range(len(params_map)))):
+                raise ValueError(f"{name}: params_map must map every worker index 0..N-1 to "
+                                 "that worker's weights")
+            if num_workers is not None and num_workers != len(params_map):
+                raise ValueError(f"{name}: num_workers={num_workers} but params_map has "
+                                 f"{len(params_map)} workers")
+            sources = [params_map[i] for i in range(len(params_map))]
+        else:
+            if context is not None:
+                self.context = context
+                collector_devices = getattr(context, "policy_device", None)
+                if isinstance(collector_devices, (list, tuple)):
+                    devices = list(collector_devices)
+                if factories is None and model is None and weights is None:
+                    model = model_in_collector(context, self.model_id)
+            if devices is not None:
+                num_workers = len(devices)
+            if factories is not None:
+                sources = [factory() for factory in factories]
+            else:
+                source = model if model is not None else weights
+                if source is None:
+                    raise ValueError(f"{name}: init_on_sender needs params_map, a model, "
+                                     "weights or a collector (context=) that holds the model")
+                if not isinstance(num_workers, int) or num_workers < 1:
+                    raise ValueError(f"{name}: cannot tell how many workers there are; "
+                                     "pass num_workers= or devices=")
+                sources = [source] * num_workers
+            if model is not None:
+                self.model = model
+        for idx, source in enumerate(sources):
+            if not holds_weights(source):
+                raise TypeError(f"{name}: worker {idx}'s policy ({type(source).__name__}) "
+                                "holds no weights to sync")
+        self._streams = [self._new_weightsync_scheme(1) for _ in sources]
+        self._per_worker = PerWorkerSenders(self._streams, sources, self._new_sender,
+                                            device_map_fn=device_map_fn)
+        self._worker_devices = ([str(torch.device(d)) if d is not None else "cpu"
+                                 for d in devices] if devices is not None
+                                else self._per_worker.devices)
+        if context is not None:
+            close_with(context, self)
+        logger.info("%s for %r: per-worker weights, one sender for each of %d worker(s)",
+                    name, self.model_id, len(sources))
+
     def _new_weightsync_scheme(self, num_workers: int) -> ws.WeightSyncScheme:
         """The weightsync scheme for ``num_workers`` workers (made once, on the trainer)."""
         return self._weightsync_class(num_workers, timeout=self.timeout)
@@ -162,6 +276,12 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
                                                      weights: Any = None) -> None:
         if self._local or self._no_weights:
+            return
+        if self._per_worker is not None:
+            if weights is not None:
+                raise ValueError(f"{type(self).__name__}: connect(weights=...) with per-worker "
+                                 "weights: give each worker's weights to init_on_sender")
+            self._per_worker.connect(self.connect_timeout)
             return
         sender = self._require_sender()
         if weights is not None:
@@ -180,9 +300,12 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         if not self.initialized_on_sender or not self.synchronized_on_sender:
             raise RuntimeError(f"{type(self).__name__}: send() needs init_on_sender() and "
                                "connect() first (the collector calls both)")
-        if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
-            raise ValueError("per-worker weights ({worker_idx: weights}) are not supported: "
-                             "send the same weights to a subset with worker_ids= instead")
+        per_worker_dict = is_per_worker_dict(weights)
+        if per_worker_dict and self._per_worker is None:
+            raise ValueError(
+                "per-worker weights ({worker_idx: weights}) need per-worker streams: "
+                f"{type(self).__name__}(per_worker_weights=True) or init_on_sender(params_map="
+                "...); or send the same weights to a subset with worker_ids=")
         if isinstance(weights, str):
             weights = _resolve_model(self.context, weights)
         if self._no_weights:
@@ -193,6 +316,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         if self._local:
             self._send_local(weights)
             return
+        if self._per_worker is not None:
+            self._send_per_worker(self._per_worker, weights, worker_ids, per_worker_dict)
+            return
         sender = self._require_sender()
         flat = None if weights is None else flat_weights(weights, "update_policy_weights_")
         targets = worker_indices(worker_ids, self._worker_devices)
@@ -202,6 +328,25 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         else:
             sender.send_async(flat, worker_ids=targets)
             self._pending_async = True
+
+    def _send_per_worker(self, streams: PerWorkerSenders, weights: Any, worker_ids: Any,
+                         per_worker_dict: bool) -> None:
+        """Each target worker gets its own weights: ``weights[i]`` (a per-worker dict), the
+        weights given, or (None) its own source."""
+        targets = worker_indices(worker_ids, self._worker_devices)
+        if per_worker_dict:
+            given = dict(weights)
+            if targets is not None:
+                missing = [i for i in targets if i not in given]
+                if missing:
+                    raise ValueError(f"worker_ids names worker(s) {missing}, which the "
+                                     "per-worker weights dict has no weights for")
+                given = {i: given[i] for i in targets}
+        else:
+            ids = targets if targets is not None else range(streams.num_workers)
+            given = {i: weights for i in ids}
+        streams.send(given, named=per_worker_dict or targets is not None, sync=self.sync,
+                     timeout=self.timeout)
 
     def _send_local(self, weights: Any) -> None:
         """Single-process Collector: the policy lives here, between batches; copy explicit
@@ -217,6 +362,8 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
             ws.WeightStrategy().apply_weights(target, flat_weights(weights, "weights"))
 
     def _finish_async(self) -> None:
+        if self._per_worker is not None:
+            self._per_worker.finish(self.timeout)
         if self._sender is not None:
             self._finish_async_of(self._sender)
 
@@ -253,12 +400,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         if self._no_weights:
             self.worker_idx = idx
             return
-        if self._ws is None:
-            raise RuntimeError(
-                f"worker {idx}: this scheme was never initialised on the trainer "
-                "(init_on_sender) before it was handed to the worker")
+        scheme, index = self._stream_of(idx)
         self.worker_idx = idx
-        receiver = self._ws.create_receiver(idx)
+        receiver = scheme.create_receiver(index)
         receiver.register_model(self._materialized_model(idx))
         try:
             receiver.connect(timeout=self.connect_timeout)
@@ -270,6 +414,19 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         self._tag_version(receiver.version)
         if self.context is not None:
             close_with(self.context, self)
+
+    def _stream_of(self, idx: int) -> tuple[ws.WeightSyncScheme, int]:
+        """The weightsync scheme worker ``idx`` receives from, and its index there."""
+        if self._streams is not None:  # per-worker weights: its own scheme, as worker 0
+            if not 0 <= idx < len(self._streams):
+                raise RuntimeError(f"worker {idx}: the trainer set up per-worker weights for "
+                                   f"{len(self._streams)} worker(s) only")
+            return self._streams[idx], 0
+        if self._ws is None:
+            raise RuntimeError(
+                f"worker {idx}: this scheme was never initialised on the trainer "
+                "(init_on_sender) before it was handed to the worker")
+        return self._ws, idx
 
     def _materialized_model(self, idx: int) -> Any:
         """The worker's model, with meta tensors (TorchRL ships policies to workers on the
@@ -370,7 +527,8 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
             return
         names = set(flat_tensors(model, what="the worker's policy"))
         if names == set(flat_tensors(receiver.model, what="the worker's policy")):
-            receiver.register_model(self._materialized_model(receiver.worker_idx))
+            idx = self.worker_idx if self.worker_idx is not None else receiver.worker_idx
+            receiver.register_model(self._materialized_model(idx))
 
     def receive(self, timeout: float | None = None) -> Any:
         """TorchRL's receive: apply a newer version if one is there (waiting up to
@@ -407,6 +565,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
     def shutdown(self) -> None:
         """Close this end: the sender (trainer) or receiver (worker); safe to call twice."""
         sender, self._sender = getattr(self, "_sender", None), None
+        streams, self._per_worker = getattr(self, "_per_worker", None), None
+        if streams is not None:
+            streams.close(self.timeout)
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if sender is not None:
             try:

@@ -109,6 +109,7 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
     # sender's next call on it, which cannot run while a batch start waits for it
     _wait_for_published = False
     _accepts_stateless_policy = True  # as TorchRL's RayWeightSyncScheme: nothing to sync
+    _per_worker_capable = False  # one Ray scheme for every actor: the same versions
 
     def __init__(self, strategy: str = "tensordict", backend: str = "gloo", *,
                  sync: bool = True, timeout: float = 60.0, connect_timeout: float = 300.0,

@@ -18,20 +18,19 @@ class SharedMemWeightSyncScheme(WeightsyncTorchRLScheme):
     """TorchRL's ``SharedMemWeightSyncScheme`` on weightsync's shared memory: a send packs a
     snapshot once into a free shared slot, workers copy a whole version at a batch start.
 
-    Args: as TorchRL's (``strategy``, ``sync``, ``per_worker_weights`` which must stay
-    False), plus ``timeout`` (seconds, every send) and ``connect_timeout`` (workers start)."""
+    Args: as TorchRL's (``strategy``, ``sync``, ``per_worker_weights``), plus ``timeout``
+    (seconds, every send) and ``connect_timeout`` (workers start). ``per_worker_weights=True``
+    (also taken for ``init_on_sender(params_map=...)``/``device_map_fn=`` and for distinct
+    policy factories) gives each worker its own stream of versions: one weightsync scheme
+    per worker, so a send packs once per worker it updates."""
 
     _weightsync_class = ws.SharedMemWeightSyncScheme
 
     def __init__(self, strategy: str = "tensordict", sync: bool = True,
                  per_worker_weights: bool = False, *, timeout: float = 60.0,
                  connect_timeout: float = 300.0) -> None:
-        if per_worker_weights:
-            raise ValueError(
-                "per_worker_weights=True is not supported by weightsync: every worker receives "
-                "the same versions (use worker_ids= to update a subset)")
         super().__init__(strategy, sync, timeout=timeout, connect_timeout=connect_timeout)
-        self.per_worker_weights = False
+        self.per_worker_weights = bool(per_worker_weights)
 
 
 @register_weight_sync_backend(PROCESS_BACKEND)
@@ -39,6 +38,8 @@ class MultiProcessWeightSyncScheme(WeightsyncTorchRLScheme):
     """TorchRL's ``MultiProcessWeightSyncScheme`` on weightsync's byte streams: each worker
     gets the snapshot's raw bytes over a socket (no shared memory), applied at a batch start.
 
-    Args: as TorchRL's (``strategy``, ``sync``), plus ``timeout`` and ``connect_timeout``."""
+    Args: as TorchRL's (``strategy``, ``sync``), plus ``timeout`` and ``connect_timeout``.
+    ``init_on_sender(params_map=...)``/``device_map_fn=`` and distinct policy factories give
+    each worker its own stream of versions (one weightsync scheme per worker)."""
 
     _weightsync_class = ws.MultiProcessWeightSyncScheme
