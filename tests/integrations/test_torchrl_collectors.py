@@ -361,7 +361,7 @@ def test_per_worker_weights_with_distinct_factories() -> None:
         from weightsync import SchemaMismatchError
 
         with pytest.raises(SchemaMismatchError):
-            collector.update_policy_weights_({2: probe_weights(1.0)})
+            collector.update_policy_weights_({0: probe_weights(1.0), 2: probe_weights(1.0)})
         assert scheme.worker_versions == {0: 3, 1: 2, 2: 2}
         expect([500.0, 500.0, 700.0], [3, 2, 2])
     finally:

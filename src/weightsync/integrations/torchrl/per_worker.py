@@ -126,7 +126,11 @@ class PerWorkerSenders:
         for idx in weights:
             if not 0 <= idx < self.num_workers:
                 raise ValueError(f"no worker {idx}: workers are 0..{self.num_workers - 1}")
-        flats = {idx: self._weights_for(idx, w) for idx, w in weights.items()}  # checked first
+        flats = {idx: self._weights_for(idx, w) for idx, w in weights.items()}
+        for idx, flat in flats.items():  # every layout checked before anything is sent
+            layout = self._senders[idx].layout
+            if flat is not None and layout is not None:
+                layout.check_weights(flat)
         self.finish(timeout)
         deadline = time.monotonic() + timeout
         lost: dict[int, str] = {}
