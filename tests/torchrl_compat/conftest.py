@@ -127,7 +127,18 @@ if not _MISSING:
 # unless given): one reason each. Kinds: aliasing (a worker sees the trainer's in-place
 # writes with no update call), private attribute (a TorchRL internal), per-worker weights,
 # RayCollector with MultiSyncCollector, idle worker, other.
-XFAIL_ON_WEIGHTSYNC: dict[str, str] = {}
+XFAIL_ON_WEIGHTSYNC: dict[str, str] = {
+    "test_collectors.py::test_ray_weight_sync_copy_preserves_config_and_resets_runtime": (
+        "private attribute: reads TorchRL's RayWeightSyncScheme._rendezvous_id / _backend "
+        "and calls _copy_uninitialized()"
+    ),
+    "test_collectors.py::TestMakePolicyFactory::test_per_worker_weight_sync_with_distinct_factories": (
+        "per-worker weights: SharedMemWeightSyncScheme(per_worker_weights=True) is refused"
+    ),
+    "test_collectors.py::TestMakePolicyFactory::test_per_worker_weight_sync_multiple_workers_update": (
+        "per-worker weights: SharedMemWeightSyncScheme(per_worker_weights=True) is refused"
+    ),
+}
 
 
 def _reason_for(item: pytest.Item) -> str | None:
