@@ -159,12 +159,81 @@ def _reason_for(item: pytest.Item) -> str | None:
     return None
 
 
+# The CI selection. Every collector test starts worker processes (each imports torch and
+# TorchRL: seconds apiece on 2 cores), so the whole directory (162 tests) takes far longer
+# than the ~6 minutes CI gives it. For these test functions only the parametrizations
+# listed run by default; ``WEIGHTSYNC_TORCHRL_COMPAT_ALL=1`` runs every one. What goes:
+# * repeats: TestAsyncCollection's single-process ``Collector`` never builds a scheme, so
+#   its scheme parametrizations repeat each other (and move no weights between processes);
+# * the rest keeps each scheme (default/None, MultiProcess, SharedMem) with each
+#   multi-process collector at least once.
+# (TestUpdateParams is TorchRL's ``gpu`` class: skipped without CUDA/MPS, so it costs
+# nothing on CPU and runs in full where there is a device.)
+# Test functions not listed here run in full; ``None`` deselects the function.
+CI_KEEP: dict[str, tuple[str, ...] | None] = {
+    # [scheme-cudagraph-use_async]
+    "test_collectors.py::TestCollectorGeneric::test_update_weights": (
+        "SharedMemWeightSyncScheme-False-False",
+        "MultiProcessWeightSyncScheme-False-True",
+    ),
+    # [device-multiple_outputs-collector_class-num_envs]; collector_class2 is MultiSyncCollector
+    "test_collectors.py::TestAutoWrap::test_auto_wrap_modules": (
+        "device0-True-MultiAsyncCollector-1",
+        "device0-False-collector_class2-1",
+    ),
+    # [scheme-cls-total_frames]
+    "test_collectors.py::TestAsyncCollection::test_start_update_policy": (
+        "None-MultiSyncCollector--1",
+        "MultiProcessWeightSyncScheme-MultiAsyncCollector--1",
+        "MultiProcessWeightSyncScheme-MultiSyncCollector--1",
+        "SharedMemWeightSyncScheme-MultiAsyncCollector--1",
+        "SharedMemWeightSyncScheme-MultiSyncCollector--1",
+    ),
+}
+# TestRayCollector (test_distributed.py) is not in the CI selection: a Ray test blocked in
+# ray.get() is beyond pytest-timeout's signal (test_dqn_trainer_ray_backend ran 5 minutes
+# past its 120 s limit), and its results both ways are not established yet (see
+# docs/torchrl-compat.md). WEIGHTSYNC_TORCHRL_COMPAT_ALL=1 runs it.
+CI_SKIP_FILES = ("test_distributed.py",)
+# Skipped in every mode: they fail or hang on TorchRL's own schemes too (not ours to fix).
+SKIP_BOTH: dict[str, str] = {
+    "test_distributed.py::TestRayCollector::test_dqn_trainer_ray_backend": (
+        "hangs on TorchRL's schemes too (killed after 240 s; 5+ min on weightsync's); "
+        "blocked in Ray where pytest-timeout's signal cannot end it"
+    ),
+}
+RUN_ALL = os.environ.get("WEIGHTSYNC_TORCHRL_COMPAT_ALL", "") not in ("", "0")
+
+
+def _in_ci_selection(item: pytest.Item) -> bool:
+    path = os.path.basename(str(item.path))
+    name = item.nodeid.split("::", 1)[1]
+    base, _, param = name.partition("[")
+    key = f"{path}::{base}"
+    if path in CI_SKIP_FILES:
+        return False
+    if key not in CI_KEEP:
+        return True
+    keep = CI_KEEP[key]
+    return keep is not None and param.rstrip("]") in keep
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
+    if not RUN_ALL:
+        mine = [i for i in items if str(i.path).startswith(here)]
+        dropped = [i for i in mine if not _in_ci_selection(i)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            drop = set(map(id, dropped))
+            items[:] = [i for i in items if id(i) not in drop]
     for item in items:
         if not str(item.path).startswith(here):
             continue
         item.add_marker(pytest.mark.torchrl)
+        skip = SKIP_BOTH.get(f"{os.path.basename(str(item.path))}::{item.nodeid.split('::', 1)[1]}")
+        if skip is not None:
+            item.add_marker(pytest.mark.skip(reason=f"fails on TorchRL too: {skip}"))
         if os.path.basename(str(item.path)) == "test_distributed.py":
             item.add_marker(pytest.mark.ray)
         if MODE == "weightsync":

@@ -179,7 +179,7 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
             if not (self._local or self._accepts_stateless_policy
                     or is_weights_container(source)):
                 raise TypeError(
-                    f"{type(self).__name__} needs an nn.Module policy, got "
+                    f"{type(self).__name__} requires an nn.Module policy, got "
                     f"{type(source).__name__}: a policy without weights (e.g. RandomPolicy) "
                     "needs no weight sync scheme (TorchRL's process schemes refuse it too)")
             self._no_weights = True  # nothing to sync (TorchRL's schemes send nothing either)
