@@ -132,15 +132,6 @@ XFAIL_ON_WEIGHTSYNC: dict[str, str] = {
         "private attribute: reads TorchRL's RayWeightSyncScheme._rendezvous_id / _backend "
         "and calls _copy_uninitialized()"
     ),
-    "test_collectors.py::TestMakePolicyFactory::test_per_worker_weight_sync_with_distinct_factories": (
-        "per-worker weights: SharedMemWeightSyncScheme(per_worker_weights=True) is refused"
-    ),
-    "test_collectors.py::TestMakePolicyFactory::test_per_worker_weight_sync_multiple_workers_update": (
-        "per-worker weights: SharedMemWeightSyncScheme(per_worker_weights=True) is refused"
-    ),
-    "test_collectors.py::TestCollectorGeneric::test_update_weights_shared_mem": (
-        "per-worker weights: init_on_sender(params_map={worker: weights}) is refused"
-    ),
     # on CPU the test asserts the workers already hold the trainer's in-place edits
     # before update_policy_weights_() (its "check they don't match" expects equality)
     "test_collectors.py::TestCollectorGeneric::test_update_weights": (
