@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 import vllm_model as vm
+from ray_processes import ray_processes
 from vllm_engine import descendants, shm_dir, vllm_or_skip
 
 pytest.importorskip("torchrl", reason="needs torchrl")
@@ -39,14 +39,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LONG_PROMPT = [(7 * i + 3) % 500 + 1 for i in range(40)]
 PROMPTS = [*vm.PROMPTS, LONG_PROMPT]
 IN_FLIGHT_PROMPT, IN_FLIGHT_TOKENS = [9, 8, 7, 6], 100
-
-
-def _ray_processes(session_dir: str) -> list[str]:
-    """Live raylet/gcs processes of this module's Ray instance (others may run beside it)."""
-    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines()
-            if ("raylet" in line or "gcs_server" in line) and session_dir in line
-            and line.split()[1][:1] != "Z"]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +79,7 @@ def async_engine() -> Iterator[Any]:
         _, alive = psutil.wait_procs(list(ours), timeout=30)
         for proc in alive:  # never leave a process behind, even when the test fails
             proc.kill()
-        leftover = _ray_processes(session_dir)
+        leftover = ray_processes(session_dir)
         assert not alive, f"processes outlived Ray: {[(p.pid, p.name()) for p in alive]}"
         assert not leftover, leftover
 

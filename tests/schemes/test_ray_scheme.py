@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from ray_processes import ray_processes
 
 ray = pytest.importorskip("ray")
 
@@ -18,14 +19,6 @@ import weightsync as ws  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _ray_processes(session_dir: str) -> list[str]:
-    """Live raylet/gcs processes of this module's Ray instance (others may run beside it)."""
-    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines()
-            if ("raylet" in line or "gcs_server" in line) and session_dir in line
-            and line.split()[1][:1] != "Z"]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +37,9 @@ def ray_cluster():
     ray.shutdown()
     assert time.monotonic() - t0 < 20, "ray.shutdown() must return promptly"
     deadline = time.monotonic() + 20
-    while _ray_processes(session_dir) and time.monotonic() < deadline:
+    while ray_processes(session_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _ray_processes(session_dir), _ray_processes(session_dir)
+    assert not ray_processes(session_dir), ray_processes(session_dir)
 
 
 @pytest.fixture

@@ -200,7 +200,7 @@ def run_llm_demo(options: LLMDemoOptions) -> LLMDemoResult:
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate)
     check_prompts = task.make_prompts(4, random.Random(options.seed + 1))
     history: list[dict[str, float]] = []
-    checks, interrupted, llm, sync = 0, False, None, None
+    checks, interrupted, llm, sync, startup = 0, False, None, None, 0.0
     started = time.perf_counter()
     with _scratch() as scratch:
         try:
@@ -258,7 +258,7 @@ def run_llm_demo(options: LLMDemoOptions) -> LLMDemoResult:
         first_reward=statistics.fmean(h["reward"] for h in history[:5]) if history else 0.0,
         last_reward=statistics.fmean(h["reward"] for h in history[-5:]) if history else 0.0,
         greedy_checks=checks, seconds=time.perf_counter() - started,
-        startup_seconds=locals().get("startup", 0.0), history=history, interrupted=interrupted)
+        startup_seconds=startup, history=history, interrupted=interrupted)
     log(f"{result.steps} steps, version {result.final_version}: mean reward "
         f"{result.first_reward:.3f} (first 5 steps) -> {result.last_reward:.3f} (last 5); "
         f"median per step: generate {1e3 * result.median('generate_s'):.0f} ms, train "

@@ -26,7 +26,7 @@ from weightsync.core.errors import (
     WeightSyncTimeoutError,
     WorkerDroppedError,
 )
-from weightsync.core.liveness import ProcessWatch, is_same_or_descendant
+from weightsync.core.liveness import ProcessWatch, is_same_or_descendant, process_dying
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local.address import connect_channel
 from weightsync.transports.local.auth import (
@@ -56,14 +56,6 @@ MessageEvent = Callable[[Message, Channel], bool]
 class HandshakeExpired(Exception):
     """The hub closed this worker's handshake for taking too long (the worker was starved):
     the trainer is alive, and the worker may try again within its deadline."""
-
-
-def _process_alive(pid: int) -> bool:
-    watch = ProcessWatch(pid)
-    try:
-        return not watch.dying()
-    finally:
-        watch.close()
 
 
 class LocalLink:
@@ -111,7 +103,7 @@ class LocalLink:
                 # the hub gives a handshake 5 s: a worker starved longer (a loaded host) was
                 # cut off by a live trainer, and joins again within its own deadline
                 trainer = self._handshake_peer
-                alive = trainer is not None and _process_alive(trainer)
+                alive = trainer is not None and not process_dying(trainer)
                 if not alive or deadline.expired():
                     why = "its handshake took too long" if isinstance(exc, HandshakeExpired) else \
                         "sender hung up"

@@ -227,8 +227,8 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
                 time.sleep(_NAP_S)
             continue
         views, ties = model.tensors_of(slot), model.layout.ties
-        for name, tensor in dest.items():  # the model changed (``model.half()``): refuse it
-            view = views[ties.get(name, name)]
+        pairs = [(name, tensor, views[ties.get(name, name)]) for name, tensor in dest.items()]
+        for name, tensor, view in pairs:  # the model changed (``model.half()``): refuse it
             if tensor.dtype != view.dtype or tensor.shape != view.shape:
                 if index != model.held_slot:
                     _unlock(model.control.fd, index)
@@ -241,8 +241,8 @@ def adopt_newest(model: _ReceiverModel, worker_idx: int, dest: Mapping[str, torc
         with _fork_guard:  # a fork sees the tensors and ``held_slot`` agree
             if model.held_slot is not None and model.held_slot != index:
                 model.wait_for_forked_children()  # they lock it before it is let go
-            for name, tensor in dest.items():
-                tensor.data = views[ties.get(name, name)]
+            for _name, tensor, view in pairs:
+                tensor.data = view
             if model.held_slot is not None and model.held_slot != index:
                 _unlock(model.control.fd, model.held_slot)
             model.held_slot, model.viewer = index, worker_idx
