@@ -22,6 +22,7 @@ from weightsync.core.errors import WeightSyncError, WorkerLostError
 from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
 from weightsync.core.own_tensors import OwnTensors
+from weightsync.core.shards import global_layout, sharded_flat
 from weightsync.core.stats import SendRecord, SendStats
 from weightsync.core.strategy import flat_tensors
 from weightsync.core.versions import NO_VERSION, VersionTable
@@ -70,21 +71,28 @@ class WeightSender(Closable):
         self._closed = False
         self._forked_copy = False
         self._owner_pid = os.getpid()
+        #: one rank of a sharded trainer: the model holds DTensors / LocalShards, and the
+        #: layout is the global one (``core/shards.py``)
+        self._sharded = bool(getattr(writer, "sharded", False))
         track_for_fork(self)
 
     # ------------------------------------------------------------------ model
     def register_model(self, model: Any) -> None:
         """The source of the weights: an ``nn.Module``, ``TensorDictBase`` or mapping."""
-        flat = flat_tensors(model, what="register_model")
+        flat = self._flat(model, "register_model")
         if not flat:
             raise ValueError("register_model: the model has no parameters or buffers to sync")
-        layout = Layout.from_weights(flat)
+        layout = global_layout(flat) if self._sharded else Layout.from_weights(flat)
         if self._layout is not None and layout.fingerprint != self._layout.fingerprint:
             self._layout.check_compatible(layout, self_name="the model registered first",
                                           other_name="the new model")
         self._model = model
-        self._own = OwnTensors(model) if isinstance(model, torch.nn.Module) else None
+        self._own = OwnTensors(model) if isinstance(model, torch.nn.Module) and not self._sharded \
+            else None
         self._layout = layout
+
+    def _flat(self, source: Any, what: str) -> dict[str, Any]:
+        return sharded_flat(source, what=what) if self._sharded else flat_tensors(source, what=what)
 
     @property
     def layout(self) -> Layout | None:
@@ -99,13 +107,17 @@ class WeightSender(Closable):
                 flat = {name: t.data if getattr(t, "requires_grad", False) else t
                         for name, t in self._own.get().items()}
             else:
-                flat = flat_tensors(self._model, what="the registered model")
+                flat = self._flat(self._model, "the registered model")
         else:
-            flat = flat_tensors(weights, what="send(weights=...)")
+            flat = self._flat(weights, "send(weights=...)")
             if self._layout is None:
-                self._layout = Layout.from_weights(flat)
+                self._layout = global_layout(flat) if self._sharded else Layout.from_weights(flat)
         assert self._layout is not None
-        self._layout.check_weights(flat)
+        if self._sharded:
+            self._layout.check_compatible(global_layout(flat), self_name="the registered model",
+                                          other_name="the weights sent")
+        else:
+            self._layout.check_weights(flat)
         return flat
 
     # ------------------------------------------------------------------ API
@@ -179,6 +191,10 @@ class WeightSender(Closable):
         if not self._started:
             self.writer.start(deadline)
             self._started = True
+            # a rank that joins a sharded trainer late takes the versions already committed
+            joined_at = int(getattr(self.writer, "joined_at", NO_VERSION))
+            if joined_at > self._table.published:
+                self._table.published = joined_at
 
     def _start_send(self, weights: Any, worker_ids: int | list[int] | None,
                     deadline: Deadline) -> None:
@@ -199,6 +215,8 @@ class WeightSender(Closable):
         requested = named if named is not None else list(range(self._table.num_workers))
         t0 = time.perf_counter()
         unreachable = self.writer.publish(flat, self._layout, requested, version, deadline)
+        # a sharded rank that fell behind wrote the version the others are at
+        version = int(getattr(self.writer, "committed", version))
         if self._reported:  # those reported lost that are back again
             self._reported.difference_update(self.writer.held_versions())
         targets = [w for w in requested if w not in unreachable]

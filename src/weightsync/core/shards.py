@@ -1,0 +1,221 @@
+"""A trainer rank's share of a sharded model: which rows and columns of each global tensor
+it writes, found from its own parameters without talking to any other rank.
+
+An FSDP2 or tensor-parallel parameter is a ``DTensor``: its shape is the global one and its
+placements say which block this rank holds (``Shard(d)``: a slice of dimension ``d``,
+uneven where the size does not divide; ``Replicate()``: the whole dimension, written only
+by the ranks at coordinate 0 of that mesh dimension, so each byte has one writer).
+Frameworks without DTensor (Megatron-style plain tensors) register a :class:`LocalShard`;
+a plain tensor on a sharded rank is a full copy, written by rank 0 only.
+
+Each rank builds the same *global* :class:`~weightsync.core.layout.Layout` from shapes and
+dtypes alone, so every rank packs into the same slot at the same offsets; rank 0 checks
+that the regions all ranks announce tile every tensor exactly once (:func:`check_cover`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.core.errors import SchemaMismatchError
+from weightsync.core.layout import Layout, TensorSpec
+from weightsync.core.strategy import flat_tensors
+
+#: ``(start, stop)`` per dimension of a global tensor
+Region = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A rank's block of a global tensor, for frameworks without DTensor.
+
+    ``tensor`` holds rows/columns ``offsets[d] : offsets[d] + tensor.shape[d]`` of a tensor
+    of ``global_shape``; exactly one rank must register each block (a replicated tensor:
+    register it as a plain tensor, which rank 0 writes)."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.global_shape)
+        offsets = tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "global_shape", shape)
+        object.__setattr__(self, "offsets", offsets)
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(f"LocalShard.tensor must be a tensor, got {type(self.tensor).__name__}")
+        if not len(shape) == len(offsets) == self.tensor.dim():
+            raise ValueError(f"LocalShard: global_shape {shape} and offsets {offsets} need one "
+                             f"entry per dimension of the local tensor {tuple(self.tensor.shape)}")
+        for dim, (size, start, local) in enumerate(zip(shape, offsets, self.tensor.shape, strict=True)):
+            if start < 0 or start + local > size:
+                raise ValueError(f"LocalShard: dimension {dim}: rows {start}..{start + local} "
+                                 f"do not fit in the global size {size}")
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """One tensor's part that this rank writes: ``local`` goes to ``region`` of the global
+    tensor ``name``."""
+
+    name: str
+    local: torch.Tensor
+    region: Region
+
+
+def _is_dtensor(value: object) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "placements")
+
+
+def is_sharded_value(value: object) -> bool:
+    """A DTensor or a :class:`LocalShard` (what only a sharded sender accepts)."""
+    return isinstance(value, LocalShard) or _is_dtensor(value)
+
+
+def global_shape_and_dtype(name: str, value: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    if isinstance(value, LocalShard):
+        return value.global_shape, value.tensor.dtype
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise ValueError(f"entry {name!r} is on the meta device and holds no data")
+        return tuple(value.shape), value.dtype
+    raise TypeError(f"entry {name!r} is a {type(value).__name__}; a sharded sender takes "
+                    "tensors, DTensors and weightsync.LocalShard")
+
+
+def sharded_flat(source: Any, *, what: str = "weights") -> dict[str, Any]:
+    """A sharded rank's model as ``name -> DTensor | LocalShard | tensor``: a module's
+    parameters and buffers (DTensors stay DTensors), or a flat mapping that may hold
+    :class:`LocalShard` values."""
+    if isinstance(source, Mapping) and any(isinstance(v, LocalShard) for v in source.values()):
+        out: dict[str, Any] = {}
+        for name, value in source.items():
+            if not isinstance(name, str):
+                raise TypeError(f"{what}: keys must be str, got {type(name).__name__} {name!r}")
+            if not isinstance(value, (LocalShard, torch.Tensor)):
+                raise TypeError(f"{what}: entry {name!r} is a {type(value).__name__}; expected "
+                                "a tensor, a DTensor or a weightsync.LocalShard")
+            out[name] = value
+        return out
+    return flat_tensors(source, what=what)
+
+
+def global_layout(flat: Mapping[str, Any]) -> Layout:
+    """The layout every rank agrees on: global shapes and dtypes, in the given order, all in
+    host memory (the slot; a rank's shards may live on its GPU). Ties are not kept: each
+    name is its own tensor."""
+    return Layout(TensorSpec(name, *global_shape_and_dtype(name, value), "cpu")
+                  for name, value in flat.items())
+
+
+def _dtensor_piece(name: str, value: Any) -> ShardPiece | None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank holds no part of the tensor
+        return None
+    for dim, placement in enumerate(value.placements):
+        if isinstance(placement, Replicate):
+            if coordinate[dim] != 0:
+                return None  # another rank holds the same bytes and writes them
+        elif type(placement) is not Shard:
+            raise ValueError(
+                f"entry {name!r}: placement {placement} on mesh dimension {dim} is not "
+                "supported (Shard(d) and Replicate() are; a Partial tensor must be reduced "
+                "and a strided shard registered as a LocalShard)")
+    local_shape, offset = compute_local_shape_and_global_offset(
+        value.shape, mesh, value.placements)
+    local = value.to_local()
+    if tuple(local.shape) != tuple(local_shape):
+        raise ValueError(f"entry {name!r}: the local shard has shape {tuple(local.shape)}, its "
+                         f"placements say {tuple(local_shape)}")
+    return ShardPiece(name, local, tuple((o, o + s) for o, s in zip(offset, local_shape, strict=True)))
+
+
+def local_pieces(flat: Mapping[str, Any], rank: int) -> list[ShardPiece]:
+    """What rank ``rank`` writes of each entry of ``flat``: its shards, its
+    :class:`LocalShard` blocks, and (rank 0 only) its plain tensors whole. Empty shards
+    (an uneven split can leave a rank none) are left out."""
+    pieces: list[ShardPiece] = []
+    for name, value in flat.items():
+        piece: ShardPiece | None
+        if isinstance(value, LocalShard):
+            region = tuple((o, o + s) for o, s in zip(value.offsets, value.tensor.shape, strict=True))
+            piece = ShardPiece(name, value.tensor, region)
+        elif _is_dtensor(value):
+            piece = _dtensor_piece(name, value)
+        elif rank == 0:
+            piece = ShardPiece(name, value, tuple((0, s) for s in value.shape))
+        else:
+            piece = None
+        if piece is not None and piece.local.numel() > 0:
+            pieces.append(piece)
+    return pieces
+
+
+def write_pieces(pieces: Sequence[ShardPiece], views: Mapping[str, torch.Tensor]) -> int:
+    """Copy each piece into its region of ``views`` (``name -> global-shaped view`` of the
+    slot): one copy per piece, strided where the region is a column block. Returns the
+    bytes written."""
+    written = 0
+    for piece in pieces:
+        target = views[piece.name][tuple(slice(lo, hi) for lo, hi in piece.region)]
+        source = piece.local.data if piece.local.requires_grad else piece.local
+        target.copy_(source)
+        written += target.numel() * target.element_size()
+    return written
+
+
+def describe_regions(pieces: Sequence[ShardPiece]) -> dict[str, list[int]]:
+    """JSON-safe ``name -> [start, stop, start, stop, ...]`` per piece (one region each)."""
+    return {p.name: [bound for pair in p.region for bound in pair] for p in pieces}
+
+
+def _volume(region: Region) -> int:
+    return math.prod(hi - lo for lo, hi in region)
+
+
+def _overlap(a: Region, b: Region) -> bool:
+    return all(max(alo, blo) < min(ahi, bhi) for (alo, ahi), (blo, bhi) in zip(a, b, strict=True))
+
+
+def check_cover(layout: Layout, regions_by_rank: Mapping[int, Mapping[str, Sequence[int]]]) -> None:
+    """Every tensor of ``layout`` is written exactly once by the ranks together: no two ranks
+    write the same element, none is left out. Raises :class:`SchemaMismatchError` naming
+    the key and the ranks."""
+    claimed: dict[str, list[tuple[int, Region]]] = {name: [] for name in layout.names}
+    for rank, regions in regions_by_rank.items():
+        for name, bounds in regions.items():
+            if name not in claimed:
+                raise SchemaMismatchError(f"trainer rank {rank} writes key {name!r}, which is "
+                                          "not in the layout", key=name)
+            spec = layout[name]
+            region = tuple((int(bounds[2 * d]), int(bounds[2 * d + 1])) for d in range(len(spec.shape)))
+            if len(bounds) != 2 * len(spec.shape) or any(
+                    not 0 <= lo <= hi <= size for (lo, hi), size in zip(region, spec.shape, strict=True)):
+                raise SchemaMismatchError(
+                    f"trainer rank {rank}: key {name!r}: region {list(bounds)} does not fit "
+                    f"{spec.describe()}", key=name)
+            for other, theirs in claimed[name]:
+                if _overlap(region, theirs):
+                    raise SchemaMismatchError(
+                        f"key {name!r}: trainer ranks {other} and {rank} both write "
+                        f"{[list(p) for p in region]} / {[list(p) for p in theirs]}: each "
+                        "element needs exactly one writer", key=name)
+            claimed[name].append((rank, region))
+    for spec in layout.specs:
+        covered = sum(_volume(region) for _rank, region in claimed[spec.name])
+        if covered != spec.numel:
+            raise SchemaMismatchError(
+                f"key {spec.name!r} ({spec.describe()}): the trainer ranks write {covered} of "
+                f"its {spec.numel} elements (a rank registered another model, or a shard is "
+                "missing)", key=spec.name, expected=spec.numel, got=covered)
+
+
