@@ -19,6 +19,8 @@ _LAZY: dict[str, str] = {
     "WeightSyncTimeoutError": "weightsync.core.errors",
     "WorkerDroppedError": "weightsync.core.errors",
     "WorkerLostError": "weightsync.core.errors",
+    "TrainerRankLostError": "weightsync.core.errors",
+    "LocalShard": "weightsync.core.shards",
     "Layout": "weightsync.core.layout",
     "WeightStrategy": "weightsync.core.strategy",
     "WeightReceiver": "weightsync.schemes.receiver",
@@ -44,12 +46,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         IntegrityError,
         SchemaMismatchError,
         SenderLostError,
+        TrainerRankLostError,
         WeightSyncError,
         WeightSyncTimeoutError,
         WorkerDroppedError,
         WorkerLostError,
     )
     from weightsync.core.layout import Layout
+    from weightsync.core.shards import LocalShard
     from weightsync.core.strategy import WeightStrategy
     from weightsync.schemes.base import WeightSyncScheme
     from weightsync.schemes.double_buffer import (
@@ -86,6 +90,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "IntegrityError",
     "Layout",
+    "LocalShard",
     "MPTransport",
     "MultiProcessWeightSyncScheme",
     "RayTransport",
@@ -97,6 +102,7 @@ __all__ = [
     "SenderLostError",
     "SharedMemTransport",
     "SharedMemWeightSyncScheme",
+    "TrainerRankLostError",
     "TransportBackend",
     "VLLMDoubleBufferSyncScheme",
     "VLLMDoubleBufferWeightReceiver",

@@ -64,6 +64,15 @@ class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
         self.worker_ids = tuple(sorted(set(worker_ids)))
 
 
+class TrainerRankLostError(WeightSyncError):
+    """A rank of a sharded trainer died, hung up or did not write its part of a version in
+    time; ``rank`` names it. The version was not committed: workers keep the last whole one."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 class IntegrityError(WeightSyncError):
     """Bytes that arrived or lie on disk do not match their checksum or manifest."""
 

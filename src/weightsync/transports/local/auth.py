@@ -70,6 +70,16 @@ def sender_proof(token: str, sender_nonce: str, worker_nonce: str, worker_idx: i
     return _proof(token, "sender", worker_nonce, sender_nonce, worker_idx)
 
 
+def rank_proof(token: str, hub_nonce: str, rank_nonce: str, rank: int) -> str:
+    """What a sharded trainer's rank ``rank`` sends rank 0 to prove it holds ``token``."""
+    return _proof(token, "rank", hub_nonce, rank_nonce, rank)
+
+
+def rank_hub_proof(token: str, hub_nonce: str, rank_nonce: str, rank: int) -> str:
+    """Rank 0's answer to a rank: a message of its own, never a replayed rank proof."""
+    return _proof(token, "rank-hub", rank_nonce, hub_nonce, rank)
+
+
 def proofs_match(expected: str, given: Any) -> bool:
     return isinstance(given, str) and hmac.compare_digest(expected, given)
 

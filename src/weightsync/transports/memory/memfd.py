@@ -60,11 +60,14 @@ class Segment:
             ) if nbytes else torch.empty(0, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, nbytes: int, *, receivers_write: bool = False) -> Segment:
+    def create(cls, nbytes: int, *, receivers_write: bool = False, sealed: bool = True) -> Segment:
         """A new segment, mapped writable here, then sealed: fixed size, and (unless
-        ``receivers_write``) no writable mapping or write by anyone else, ever."""
+        ``receivers_write``) no writable mapping or write by anyone else, ever.
+        ``sealed=False``: the caller seals it later, once the processes that must write it
+        too (a sharded trainer's other ranks) have mapped it writable."""
         seg = cls(_anonymous_fd(nbytes), nbytes, writable=True)
-        seg.seal(writes=not receivers_write)
+        if sealed:
+            seg.seal(writes=not receivers_write)
         return seg
 
     def seal(self, *, writes: bool) -> None:

@@ -158,19 +158,38 @@ class _SenderModel:
         # slot -> where torch counts the workers that opened its CUDA buffers
         self.cuda_counts: dict[int, set[ConsumerCount]] = {}
         self.version = NO_VERSION
+        #: a sharded trainer: hands each new slot to the other ranks, who map it writable,
+        #: before it is sealed (``shm/sharded.py``); None: sealed at once
+        self.before_seal: Callable[[_Slot], None] | None = None
+        #: slots let go for good (a rank that rejoined cannot map them writable)
+        self.retired: set[int] = set()
 
     def new_slot(self) -> _Slot:
         slot = _Slot(len(self.slots), {})
         for device, nbytes in self.layout.nbytes_by_device.items():
             if device == "cpu":
-                seg = Segment.create(nbytes)
+                seg = Segment.create(nbytes, sealed=self.before_seal is None)
                 slot.segments[device] = seg
                 assert seg.tensor is not None
                 slot.buffers[device] = seg.tensor
             else:
                 slot.buffers[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if self.before_seal is not None:
+            try:
+                self.before_seal(slot)
+            finally:  # sealed whatever happened: workers never get a writable slot
+                for seg in slot.segments.values():
+                    seg.seal(writes=True)
         self.slots.append(slot)
         return slot
+
+    def retire(self, slot: _Slot) -> None:
+        """Let a free slot (held with the exclusive lock) go for good: it is never chosen
+        again and its memory goes once the workers drop it too."""
+        self.retired.add(slot.index)
+        _unlock(self.control.fd, slot.index)
+        self.views.pop(slot.index, None)
+        slot.close()
 
     def announce(self, model_id: str, channel: Channel, worker_idx: int) -> None:
         """Pass a worker the control block, a fresh ack segment of its own and every slot
@@ -273,6 +292,31 @@ class _SenderModel:
         self.version = version
         on_published()
 
+    def write_whole(
+        self, slot: _Slot, worker_ids: list[int], version: int,
+        fill: Callable[[_Slot], None], on_published: Callable[[], None],
+    ) -> None:
+        """Publish ``version`` only once ``fill`` has written all of ``slot`` (held with
+        the exclusive lock until then): a sharded trainer's ranks write it together, so no
+        reader may follow it piece by piece. If ``fill`` fails nothing was published."""
+        try:
+            fill(slot)
+        except BaseException:
+            self.ctrl[_PACKED_BASE + slot.index] = _PACK_FAILED
+            _unlock(self.control.fd, slot.index)
+            raise
+        packed = _pack_target(version, slot.index)
+        try:
+            self.ctrl[_PACKED_BASE + slot.index] = self.plan.total
+            self.ctrl[_IDX_PREVIOUS] = self.ctrl[_IDX_LATEST]
+            self.ctrl[_IDX_LATEST] = packed
+            for w in worker_ids:
+                self.set_target(w, packed)
+        finally:
+            _unlock(self.control.fd, slot.index)
+        self.version = version
+        on_published()
+
     def acquire_free_slot(self, worker_ids: list[int], deadline: Deadline, model_id: str,
                           announce: Callable[[_Slot], None]) -> _Slot:
         """A slot that is neither the newest nor any worker's target nor being read,
@@ -284,11 +328,12 @@ class _SenderModel:
                 if self.target(w) >= 0:
                     busy.add(_unpack_target(self.target(w))[1])
             for slot in self.slots:
-                if slot.index not in busy and _lock(self.control.fd, slot.index, exclusive=True):
+                if slot.index not in busy and slot.index not in self.retired \
+                        and _lock(self.control.fd, slot.index, exclusive=True):
                     return slot
             viewers = [w for w in worker_ids if self.viewing(w) >= 0]
             cap = self.max_slots + (len(viewers) if self.grow_for_views else 0)
-            if len(self.slots) < min(cap, _SLOT_SPACE):
+            if len(self.slots) - len(self.retired) < cap and len(self.slots) < _SLOT_SPACE:
                 slot = self.new_slot()
                 announce(slot)
                 if _lock(self.control.fd, slot.index, exclusive=True):

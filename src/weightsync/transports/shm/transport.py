@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -126,10 +126,12 @@ class SharedMemTransport:
                 raise ValueError(f"model {model_id!r} is already registered")
             self.publish(model_id, flat, None, 0, None)
 
-    def _create_model(self, model_id: str, flat: Mapping[str, torch.Tensor]) -> _SenderModel:
+    def _create_model(self, model_id: str, layout: Layout,
+                      before_seal: Callable[[_Slot], None] | None = None) -> _SenderModel:
         protect_sender_process()  # before the first segment: see ``dumpable``
         max_slots = self._max_slots or max(len(self._channels), 1) + 2
-        model = _SenderModel(Layout.from_weights(flat), max(2, max_slots), self._grow_for_views)
+        model = _SenderModel(layout, max(2, max_slots), self._grow_for_views)
+        model.before_seal = before_seal
         model.new_slot()
         model.new_slot()
         self._models[model_id] = model
@@ -210,11 +212,38 @@ class SharedMemTransport:
         published in a free slot, then packed there piece by piece (``shm_slots``)."""
         deadline = Deadline(timeout)
         with self._lock:
-            model = self._models.get(model_id) or self._create_model(model_id, flat)
+            model = self._models.get(model_id) or self._create_model(
+                model_id, Layout.from_weights(flat))
             ids = list(self._channels) if worker_ids is None else list(worker_ids)
             slot = model.acquire_free_slot(list(self._channels), deadline, model_id,
                                            lambda new: self._announce_slot(model_id, model, new, deadline))
             model.write(flat, slot, ids, version, lambda: self._wake_waiting(model, ids, version))
+
+    def publish_whole(
+        self, model_id: str, layout: Layout, worker_ids: Iterable[int] | None, version: int,
+        deadline: Deadline, fill: Callable[[_Slot], None], hand_out: Callable[[_Slot], None],
+        usable: Callable[[_Slot], bool],
+    ) -> None:
+        """Publish ``version`` once ``fill`` wrote a whole free slot (a sharded trainer:
+        ``shm/sharded.py``). ``hand_out`` gives each new slot to the other writers before
+        it is sealed; a slot that is not ``usable`` (a writer that rejoined never mapped
+        it) is retired and another taken."""
+        with self._lock:
+            model = self._models.get(model_id) or self._create_model(model_id, layout, hand_out)
+            ids = list(self._channels) if worker_ids is None else list(worker_ids)
+            while True:
+                slot = model.acquire_free_slot(
+                    list(self._channels), deadline, model_id,
+                    lambda new: self._announce_slot(model_id, model, new, deadline))
+                if usable(slot):
+                    break
+                model.retire(slot)
+                for channel in list(self._channels.values()):
+                    with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+                        channel.send_nowait({"t": "shm.retire", "model_id": model_id,
+                                             "index": slot.index})
+            model.write_whole(slot, ids, version, fill,
+                              lambda: self._wake_waiting(model, ids, version))
 
     def _wake_waiting(self, model: _SenderModel, worker_ids: list[int], version: int) -> None:
         """Wake the targets blocked in ``receive()`` (after the pack; for a large model also
@@ -276,6 +305,11 @@ class SharedMemTransport:
                 layout = Layout.from_dict(message.header["layout"])
                 self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0],
                                                                  message.fds[1])
+            elif kind == "shm.retire":  # a free slot the sender let go for good
+                retired = self._receiver_models[message.header["model_id"]].slots.pop(
+                    int(message.header["index"]), None)
+                if retired is not None:
+                    retired.close()
             elif kind == "shm.slot":
                 model = self._receiver_models[message.header["model_id"]]
                 model.add_slot(message)
