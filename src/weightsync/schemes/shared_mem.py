@@ -10,7 +10,30 @@ from weightsync.schemes.local import LocalScheme, SameHostConfig
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.shm.endpoints import SharedMemReader, SharedMemWriter
+from weightsync.transports.shm.sharded import RankWriter, RankZeroWriter
 from weightsync.transports.shm.slots import MAX_SLOTS, MAX_WORKERS
+
+#: the most trainer ranks one scheme takes (each holds a connection and a slot mapping)
+MAX_TRAINER_RANKS = 1024
+
+
+def trainer_rank(rank: int | None, trainer_ranks: int) -> int:
+    """The rank a sender is created for: ``rank``, else the process group's rank when
+    torch.distributed is initialised (a sharded trainer), else 0."""
+    if rank is None:
+        if trainer_ranks == 1:
+            return 0
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"trainer_ranks={trainer_ranks}: pass create_sender(rank=r), the "
+                             "rank of this trainer process in 0..trainer_ranks-1")
+        rank = dist.get_rank()
+    rank = checked_int(rank, "rank", 0)
+    if rank >= trainer_ranks:
+        raise ValueError(f"rank {rank} is out of range: the scheme has "
+                         f"trainer_ranks={trainer_ranks} (ranks 0..{trainer_ranks - 1})")
+    return rank
 
 
 @dataclass(frozen=True)
@@ -19,6 +42,8 @@ class SharedMemConfig(SameHostConfig):
 
     max_slots: int | None = None
     zero_copy: bool = False
+    #: how many processes of a sharded trainer write each version (``shm/sharded.py``)
+    trainer_ranks: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,6 +56,7 @@ class SharedMemConfig(SameHostConfig):
             raise ValueError(f"num_workers={self.num_workers} needs max_slots <= {MAX_SLOTS}; "
                              f"pass max_slots= explicitly")
         object.__setattr__(self, "zero_copy", bool(self.zero_copy))
+        checked_int(self.trainer_ranks, "trainer_ranks", 1, MAX_TRAINER_RANKS)
 
 
 class SharedMemWeightSyncScheme(LocalScheme):
@@ -40,24 +66,39 @@ class SharedMemWeightSyncScheme(LocalScheme):
     one per zero-copy receiver, which pins the slot it views: enough that a send never
     waits for a worker that is behind; two are used in steady state).
     ``zero_copy`` is the default of ``create_receiver(i, zero_copy=None)``.
+    ``trainer_ranks``: how many processes of a sharded trainer (FSDP2, tensor parallel)
+    write each version, each its own shards (``create_sender(rank=r)`` in each; see
+    docs/sharded.md); workers are unchanged.
     """
 
     def __init__(
         self, num_workers: int = 1, *, timeout: float = 60.0,
         strategy: WeightStrategy | None = None, max_slots: int | None = None,
-        zero_copy: bool = False,
+        zero_copy: bool = False, trainer_ranks: int = 1,
     ) -> None:
         super().__init__(num_workers, timeout=timeout, strategy=strategy)
         self.config: SharedMemConfig = SharedMemConfig(
-            **asdict(self.config), max_slots=max_slots, zero_copy=zero_copy)
+            **asdict(self.config), max_slots=max_slots, zero_copy=zero_copy,
+            trainer_ranks=trainer_ranks)
 
     max_slots = property(lambda self: self.config.max_slots)
     zero_copy = property(lambda self: self.config.zero_copy)
+    trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
-    def create_sender(self) -> WeightSender:
+    def create_sender(self, rank: int | None = None) -> WeightSender:
+        """The trainer's end; with ``trainer_ranks > 1``, rank ``rank``'s (default: this
+        process's torch.distributed rank), which registers its own shards."""
         c = self.config
-        writer = SharedMemWriter(c.address, c.token, c.uid, c.num_workers,
-                                 max_slots=self.max_slots)
+        rank = trainer_rank(rank, c.trainer_ranks)
+        writer: RankZeroWriter | RankWriter | SharedMemWriter
+        if c.trainer_ranks == 1:
+            writer = SharedMemWriter(c.address, c.token, c.uid, c.num_workers,
+                                     max_slots=self.max_slots)
+        elif rank == 0:
+            writer = RankZeroWriter(c.address, c.token, c.uid, c.num_workers, self.max_slots,
+                                    c.trainer_ranks)
+        else:
+            writer = RankWriter(c.address, c.token, c.uid, rank)
         return WeightSender(self, writer, c.num_workers)
 
     def create_receiver(self, worker_idx: int = 0, zero_copy: bool | None = None) -> WeightReceiver:

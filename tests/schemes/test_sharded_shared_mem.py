@@ -1,0 +1,70 @@
+"""A sharded trainer (FSDP2 / tensor parallel over gloo, real processes) writes each
+version into SharedMem's slots from every rank, with no gather; the workers hold the
+gathered model after every send."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from shm_ranks import Ranks, tiny_model
+
+import weightsync as ws
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def connect_all(receivers, timeout=60.0):
+    errors: list[BaseException] = []
+
+    def run(receiver):
+        try:
+            receiver.connect(timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in receivers]
+    for t in threads:
+        t.start()
+    return threads, errors
+
+
+def assert_holds(receiver, model, state, version):
+    got = receiver.receive(timeout=30) if receiver.version < version else receiver.version
+    assert receiver.version == version, (got, receiver.version, version)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(("world", "how"), [(2, "fsdp"), (4, "fsdp"), (2, "tp")])
+def test_workers_hold_the_gathered_model_after_every_send(world, how):
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=2, trainer_ranks=world, timeout=60)
+    models = [tiny_model(how), tiny_model(how)]
+    receivers = [scheme.create_receiver(0), scheme.create_receiver(1, zero_copy=True)]
+    for receiver, model in zip(receivers, models):
+        receiver.register_model(model)
+    ranks = Ranks(scheme, world, how=how, steps=3)
+    try:
+        threads, errors = connect_all(receivers)
+        first = ranks.next(0)
+        assert first[0] == "version", first
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        for r in range(1, world):
+            assert ranks.next(r)[:3] == ("version", r, 0)
+        for receiver, model in zip(receivers, models):
+            assert_holds(receiver, model, first[3], 0)
+        for step in range(1, 4):
+            ranks.step()
+            got = ranks.next(0)
+            assert got[:3] == ("version", 0, step), got
+            for r in range(1, world):
+                assert ranks.next(r)[:3] == ("version", r, step)
+            for receiver, model in zip(receivers, models):
+                assert_holds(receiver, model, got[3], step)
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        ranks.close()
