@@ -4,6 +4,7 @@ queue, and a test talks to rank 0 through a second queue (go on / stop)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -129,9 +130,118 @@ class Ranks:
 
 
 def with_suppress_kill(pid: int | None) -> None:
-    if pid is None:
-        return
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- Megatron-style ranks
+ROWS, COLS = 64, 32
+
+
+def block_weights(rank: int, world: int, value: float) -> dict[str, Any]:
+    """Rank ``rank``'s rows of ``w`` (uneven: the last rank takes the rest) and, on every
+    rank, a plain ``b`` (rank 0 writes it), all filled with ``value``."""
+    import weightsync as ws
+
+    per = ROWS // world + 1
+    lo, hi = min(rank * per, ROWS), min((rank + 1) * per, ROWS)
+    rows = torch.full((hi - lo, COLS), value)
+    return {"w": ws.LocalShard(rows, (ROWS, COLS), (lo, 0)), "b": torch.full((COLS,), value)}
+
+
+class BlockModel(torch.nn.Module):
+    """What a worker holds: the whole ``w`` and ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(ROWS, COLS))
+        self.b = torch.nn.Parameter(torch.zeros(COLS))
+
+
+def block_rank_main(rank: int, world: int, scheme: Any, out: Any, commands: Any,
+                    rows: int | None = None, first_value: float = 0.0) -> None:
+    """A rank that takes commands: ("send", timeout), ("hammer", n), ("kill_mid_write",),
+    ("stop_mid_write",), ("close",). Each send fills its block with the version it is
+    about to be (the n-th send is version n), so any mix of versions shows."""
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        import weightsync.transports.shm.sharded as sharded
+
+        sender = scheme.create_sender(rank=rank)
+        weights = block_weights(rank, world, first_value)  # a restarted rank: its checkpoint
+        if rows is not None:  # a rank that registers another model
+            weights["w"] = type(weights["w"])(torch.zeros(rows, COLS), (ROWS + rows, COLS), (0, 0))
+        sender.register_model(weights)
+        out.put(("connected", rank, sender.connect(timeout=TIMEOUT)))
+        while True:
+            command = commands.get(timeout=TIMEOUT)
+            if command[0] == "close":
+                sender.close()
+                out.put(("closed", rank))
+                return
+            if command[0] in ("kill_mid_write", "stop_mid_write"):
+                real = sharded.write_pieces
+                sig = signal.SIGKILL if command[0] == "kill_mid_write" else signal.SIGSTOP
+
+                def half_then_die(pieces: Any, views: Any, real: Any = real, sig: Any = sig) -> int:
+                    sharded.write_pieces = real  # once
+                    for view in views.values():  # scribble half, as a dying copy would
+                        view.view(-1)[: view.numel() // 2].fill_(-1.0)
+                    os.kill(os.getpid(), sig)
+                    return int(real(pieces, views))
+
+                sharded.write_pieces = half_then_die  # type: ignore[assignment]
+                command = ("send", TIMEOUT)
+            count = command[1] if command[0] == "hammer" else 1
+            timeout = command[1] if command[0] == "send" else TIMEOUT
+            for _ in range(count):
+                value = float(sender.version + 1)
+                weights["w"].tensor.fill_(value)
+                weights["b"].fill_(value)
+                try:
+                    version = sender.send(timeout=timeout)
+                except Exception as exc:
+                    out.put(("error", rank, type(exc).__name__, str(exc), getattr(exc, "rank", None)))
+                    break
+                out.put(("version", rank, version))
+    except BaseException as exc:
+        out.put(("crash", rank, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+class BlockRanks:
+    """Megatron-style ranks (no process group): ``start(r)`` (re)starts rank ``r``."""
+
+    def __init__(self, scheme: Any, world: int) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.scheme, self.world = scheme, world
+        self.procs: dict[int, Any] = {}
+        self.outs: dict[int, Any] = {}
+        self.commands: dict[int, Any] = {}
+        for r in range(world):
+            self.start(r)
+
+    def start(self, rank: int, rows: int | None = None, first_value: float = 0.0) -> None:
+        self.outs[rank], self.commands[rank] = self.ctx.Queue(), self.ctx.Queue()
+        self.procs[rank] = self.ctx.Process(target=block_rank_main, daemon=True, args=(
+            rank, self.world, self.scheme, self.outs[rank], self.commands[rank], rows,
+            first_value))
+        self.procs[rank].start()
+
+    def tell(self, rank: int, *command: Any) -> None:
+        self.commands[rank].put(command)
+
+    def tell_all(self, *command: Any) -> None:
+        for rank in self.procs:
+            self.tell(rank, *command)
+
+    def next(self, rank: int, timeout: float = TIMEOUT) -> tuple[Any, ...]:
+        try:
+            return self.outs[rank].get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"rank {rank} said nothing within {timeout} s") from None
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                with_suppress_kill(p.pid)
+            p.join(5)

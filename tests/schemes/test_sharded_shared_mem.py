@@ -21,7 +21,7 @@ def connect_all(receivers, timeout=60.0):
     def run(receiver):
         try:
             receiver.connect(timeout=timeout)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in receivers]
@@ -42,7 +42,7 @@ def test_workers_hold_the_gathered_model_after_every_send(world, how):
     scheme = ws.SharedMemWeightSyncScheme(num_workers=2, trainer_ranks=world, timeout=60)
     models = [tiny_model(how), tiny_model(how)]
     receivers = [scheme.create_receiver(0), scheme.create_receiver(1, zero_copy=True)]
-    for receiver, model in zip(receivers, models):
+    for receiver, model in zip(receivers, models, strict=True):
         receiver.register_model(model)
     ranks = Ranks(scheme, world, how=how, steps=3)
     try:
@@ -54,7 +54,7 @@ def test_workers_hold_the_gathered_model_after_every_send(world, how):
         assert not errors, errors
         for r in range(1, world):
             assert ranks.next(r)[:3] == ("version", r, 0)
-        for receiver, model in zip(receivers, models):
+        for receiver, model in zip(receivers, models, strict=True):
             assert_holds(receiver, model, first[3], 0)
         for step in range(1, 4):
             ranks.step()
@@ -62,7 +62,7 @@ def test_workers_hold_the_gathered_model_after_every_send(world, how):
             assert got[:3] == ("version", 0, step), got
             for r in range(1, world):
                 assert ranks.next(r)[:3] == ("version", r, step)
-            for receiver, model in zip(receivers, models):
+            for receiver, model in zip(receivers, models, strict=True):
                 assert_holds(receiver, model, got[3], step)
     finally:
         for receiver in receivers:
