@@ -189,8 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "every worker's model holds the version, beside one memcpy of the "
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
-                       choices=["shm", "mp", "ray", "file"],
-                       help="transports to time (ray only if installed)")
+                       choices=["shm", "mp", "ray", "file", "sharded"],
+                       help="transports to time (ray only if installed; sharded: an FSDP2 "
+                       "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
+                       "baseline, with 2 zero-copy workers)")
     bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
                        metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
     bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],
@@ -205,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="where the weights live (cpu, cuda)")
     bench.add_argument("--disk-dir", default=".",
                        help="a directory on local disk (file transport)")
+    bench.add_argument("--trainer-ranks", type=_positive_int, default=2,
+                       help="FSDP2 ranks of the sharded trainer (sharded transport)")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)

@@ -4,6 +4,7 @@ can: workers only ever hold whole versions, and every rank's error names the ran
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import threading
@@ -157,6 +158,31 @@ def test_tear_free_while_ranks_send_as_fast_as_they_can():
             assert uniform_version(models[i]) == float(sends)
     finally:
         stop.set()
+        for receiver in receivers:
+            receiver.close()
+        ranks.close()
+
+
+def test_a_worker_cannot_write_the_slots_the_ranks_write():
+    """Slots are handed to the ranks before they are sealed: a worker gets them sealed."""
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2, timeout=60)
+    receivers, _models, threads = connect_workers(scheme, 1)
+    ranks = BlockRanks(scheme, 2)
+    try:
+        for r in range(2):
+            expect(ranks, r, "connected")
+        for t in threads:
+            t.join(30)
+        slots = receivers[0].reader.transport._receiver_models["policy"].slots
+        assert slots
+        for slot in slots.values():
+            fd = slot.segments["cpu"].fd
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"\x01", 0)
+    finally:
         for receiver in receivers:
             receiver.close()
         ranks.close()

@@ -47,7 +47,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     modes = len(args.shm_modes) if "shm" in local else 0
     total = len(args.sizes) * (len(args.workers) * (len(local) - ("shm" in local) + modes
                                                     + 2 * ("ray" in args.transports))
-                               + 2 * ("file" in args.transports))
+                               + 2 * ("file" in args.transports)
+                               + ("sharded" in args.transports))
     progress, stop = _progress(total)
     notes: list[str] = []
     rows: list[BenchRow] = []
@@ -67,6 +68,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
             places = {"/dev/shm": "/dev/shm", "local disk": args.disk_dir}
             for size, nbytes in args.sizes:
                 rows += run_directory_bench(size, nbytes, places, args.repeats, progress)
+        if "sharded" in args.transports:
+            from weightsync.bench.sharded import run_sharded_bench
+
+            for size, nbytes in args.sizes:
+                rows += run_sharded_bench(size, nbytes, args.repeats, progress,
+                                          world=args.trainer_ranks)
     finally:
         stop()
     print(format_table(rows))

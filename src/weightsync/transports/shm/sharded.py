@@ -156,9 +156,16 @@ class RankZeroWriter:
         self._views.pop(slot.index, None)
 
     def _usable(self, slot: _Slot) -> bool:
+        """Mapped writable by every rank's current connection; if not, it is retired (the
+        ranks let their mappings go too)."""
         mapped = self._mapped.get(slot.index, {})
-        return all(mapped.get(r) == g for r, g in self.hub.generation.items()
-                   if r in self.hub.channels)
+        if all(mapped.get(r) == g for r, g in self.hub.generation.items()
+               if r in self.hub.channels):
+            return True
+        self.hub.tell({"t": "rank.retire", "index": slot.index})
+        self._mapped.pop(slot.index, None)
+        self._views.pop(slot.index, None)
+        return False
 
     # ------------------------------------------------------------------ the rest as SharedMem
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
@@ -216,6 +223,11 @@ class RankWriter:
             if kind == "rank.slot":
                 self._map_slot(int(header["index"]), int(header["nbytes"]), message.fds)
                 self.link.send({"t": "rank.mapped", "seq": header.get("seq")})
+            elif kind == "rank.retire":
+                self._views.pop(int(header["index"]), None)
+                retired = self._segments.pop(int(header["index"]), None)
+                if retired is not None:
+                    retired.close()
             elif kind == "rank.write":
                 index = int(header["slot"])
                 if index not in self._views:

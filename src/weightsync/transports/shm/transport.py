@@ -306,10 +306,8 @@ class SharedMemTransport:
                 self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0],
                                                                  message.fds[1])
             elif kind == "shm.retire":  # a free slot the sender let go for good
-                retired = self._receiver_models[message.header["model_id"]].slots.pop(
-                    int(message.header["index"]), None)
-                if retired is not None:
-                    retired.close()
+                self._receiver_models[message.header["model_id"]].drop_slot(
+                    int(message.header["index"]))
             elif kind == "shm.slot":
                 model = self._receiver_models[message.header["model_id"]]
                 model.add_slot(message)

@@ -92,6 +92,14 @@ class _ReceiverModel:
         self._views.pop(slot.index, None)
         self._tensor_views.pop(slot.index, None)
 
+    def drop_slot(self, index: int) -> None:
+        """The sender retired a free slot (nobody's target, nobody views it): unmap it."""
+        slot = self.slots.pop(index, None)
+        self._views.pop(index, None)
+        self._tensor_views.pop(index, None)
+        if slot is not None:
+            slot.close()
+
     def record_opened(self, worker_idx: int) -> None:
         """Tell the sender, in the control block, which CUDA slots this worker holds open:
         should it die, the sender takes back the counts it left. Written after opening
