@@ -149,6 +149,43 @@ def test_multisync_versions_worker_ids_and_clean_shutdown(kind: str) -> None:
     assert weightsync_threads() == []
 
 
+def worker_weight_values(collector: Any) -> list[set[float]]:
+    """The values each worker's policy holds now, asked of the workers themselves (their
+    collectors' ``state_dict``), without starting a batch."""
+    state = collector.state_dict()
+    return [{v for t in state[f"worker{w}"]["policy_state_dict"].values()
+             for v in torch.as_tensor(t).flatten().unique().tolist()}
+            for w in range(collector.num_workers)]
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEMES))
+def test_idle_sync_worker_takes_a_version_as_it_arrives(kind: str) -> None:
+    """A MultiSyncCollector worker idle between batches holds the new version soon after
+    update_policy_weights_() returns, before its next batch starts (as with TorchRL's own
+    schemes: a user who updates, then inspects or evaluates, sees the new weights); its next
+    batch is still that one version, whole and tagged."""
+    policy = make_probe_policy()
+    fill_(policy, BASE)
+    scheme = SCHEMES[kind](timeout=60)
+    collector = MultiSyncCollector([make_cartpole] * 2, policy, frames_per_batch=100,
+                                   total_frames=300, weight_sync_schemes={"policy": scheme},
+                                   track_policy_version=True)
+    try:
+        for i, batch in enumerate(collector):
+            versions = assert_tags_match_weights(batch)
+            assert set(versions.flatten().tolist()) == {i}, i
+            fill_(policy, BASE + i + 1)
+            collector.update_policy_weights_()
+            deadline = time.monotonic() + 10
+            while (held := worker_weight_values(collector)) != [{BASE + i + 1}] * 2:
+                assert time.monotonic() < deadline, (
+                    f"after update {i + 1} the idle workers still hold {held}")
+                time.sleep(0.05)
+        assert i == 2, i
+    finally:
+        collector.shutdown()
+
+
 def test_multiasync_every_batch_is_one_version() -> None:
     policy = make_probe_policy()
     fill_(policy, BASE)

@@ -17,8 +17,8 @@ from torchrl.weight_update.utils import _resolve_model
 
 import weightsync as ws
 from weightsync.core.strategy import flat_tensors
+from weightsync.integrations.torchrl.batch_gate import ApplyPoints
 from weightsync.integrations.torchrl.collector_hooks import (
-    chain_pre_collect_hook,
     close_with,
     flat_weights,
     holds_weights,
@@ -63,11 +63,13 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
 
     _weightsync_class: Callable[..., ws.WeightSyncScheme]
     #: attributes that stay in the process that made them (never pickled to a worker)
-    _process_local: tuple[str, ...] = ("_sender", "_receiver", "_hooked", "_hook_handle",
-                                       "_per_worker")
+    _process_local: tuple[str, ...] = ("_sender", "_receiver", "_apply_points", "_per_worker")
     #: whether a batch start waits (up to ``timeout``) for a version already published whose
     #: bytes are still on their way: only where they come while this thread waits
     _wait_for_published: bool = True
+    #: whether a worker idle between batches applies a version as it arrives (a background
+    #: applier gated by the batch hooks), not only at its next batch start
+    _apply_when_idle: bool = True
     #: whether a policy that is no module (TorchRL's ``RandomPolicy``) is taken, with nothing
     #: to sync (TorchRL's Ray scheme), or refused (TorchRL's process schemes refuse it)
     _accepts_stateless_policy: bool = False
@@ -94,8 +96,7 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         self._sender: ws.WeightSender | None = None
         self._pending_async = False
         self._receiver: ws.WeightReceiver | None = None
-        self._hooked: weakref.ReferenceType[Any] | None = None
-        self._hook_handle: Any = None
+        self._apply_points: ApplyPoints | None = None  # where this worker applies versions
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sync={self.sync}, weightsync={self._ws!r})"
@@ -455,10 +456,10 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
 
     def _install_hook(self) -> None:
         """Apply new versions at the collector's batch boundary (its ``pre_collect_hook``, run
-        in the thread that then runs the policy); without a collector, before each call of the
-        policy (a forward pre-hook). Either way never while a step reads the weights."""
-        context = self.context
-        if context is not None and not (self._hooked is not None and self._hooked() is context):
+        in the thread that then runs the policy) and, in a worker idle between batches, as
+        they arrive (``batch_gate.py``); without a collector, before each call of the policy
+        (a forward pre-hook). Either way never while a step reads the weights."""
+        if self._apply_points is None:
             scheme_ref = weakref.ref(self)
 
             def on_batch_start() -> None:
@@ -466,22 +467,14 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
                 if scheme is not None:
                     scheme._on_batch_start()
 
-            if chain_pre_collect_hook(context, on_batch_start):
-                self._hooked = weakref.ref(context)
-                if self._hook_handle is not None:
-                    self._hook_handle.remove()
-                    self._hook_handle = None
-                return
-        if self._hooked is None and self._hook_handle is None and isinstance(self.model,
-                                                                              torch.nn.Module):
-            scheme_ref = weakref.ref(self)
-
-            def forward_pre_hook(module: torch.nn.Module, args: Any) -> None:
+            def poll() -> int | bool | None:
                 scheme = scheme_ref()
-                if scheme is not None:
-                    scheme.poll()
+                return False if scheme is None else scheme.poll()
 
-            self._hook_handle = self.model.register_forward_pre_hook(forward_pre_hook)
+            self._apply_points = ApplyPoints(
+                on_batch_start, poll, idle=self._apply_when_idle and not self._local,
+                name=f"{self.model_id}-{self.worker_idx}")
+        self._apply_points.install(self.context, self.model)
 
     def _on_batch_start(self) -> None:
         if self._local:  # the collector bumped its own version: tag the first frame too
@@ -568,6 +561,9 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
         streams, self._per_worker = getattr(self, "_per_worker", None), None
         if streams is not None:
             streams.close(self.timeout)
+        points, self._apply_points = getattr(self, "_apply_points", None), None
+        if points is not None:  # first: its idle applier polls the receiver
+            points.close()
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if sender is not None:
             try:
@@ -579,7 +575,4 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
                 sender.close()
         if receiver is not None:
             receiver.close()
-        handle, self._hook_handle = getattr(self, "_hook_handle", None), None
-        if handle is not None:
-            handle.remove()
         super().shutdown()
