@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("torchrl", reason="torchrl is not installed (scripts/env-torchrl.sh installs it)")
 pytest.importorskip("gymnasium", reason="gymnasium is not installed")
@@ -183,17 +184,47 @@ def test_killed_collector_actor_is_named(ray_cluster: None) -> None:
         collector.shutdown()
 
 
-def test_multi_collector_actors_are_refused(ray_cluster: None) -> None:
-    """A MultiSyncCollector inside each actor would keep the versions from its workers."""
-    from torchrl.collectors import MultiSyncCollector
+@pytest.mark.parametrize("collector_class", ["MultiSyncCollector", "MultiAsyncCollector"])
+def test_multi_collector_actor_forwards_versions_to_its_processes(
+        ray_cluster: None, collector_class: str) -> None:
+    """An actor that is a multi-process collector applies each version on delivery and
+    forwards it, through its own (weightsync) shared-memory scheme, to its worker processes:
+    every frame comes from one whole version; with MultiSyncCollector (workers idle between
+    batches) each batch from the newest (the async one's workers may have a batch in flight,
+    so its batches only show the versions arriving)."""
+    import torchrl.collectors
     from torchrl.collectors.distributed import RayCollector
 
-    scheme = RayWeightSyncScheme()
-    with pytest.raises(ValueError, match="collector_class=MultiSyncCollector"):
-        RayCollector([make_cartpole] * 2, make_probe_policy(), frames_per_batch=100,
-                     total_frames=200, collector_class=MultiSyncCollector,
-                     weight_sync_schemes={"policy": scheme}, remote_configs={"num_cpus": 0.5})
-    assert scheme.weightsync_scheme is None  # refused before any sender or rendezvous
+    from weightsync.integrations.torchrl import SharedMemWeightSyncScheme
+
+    policy = make_probe_policy()
+    fill_(policy, weight_value(1))
+    scheme = RayWeightSyncScheme(timeout=60)
+    collector = RayCollector(
+        [make_cartpole], policy, frames_per_batch=100, total_frames=800, sync=True,
+        collector_class=getattr(torchrl.collectors, collector_class),
+        num_workers_per_collector=2, weight_sync_schemes={"policy": scheme},
+        remote_configs={"num_cpus": 0.5},
+        collector_kwargs={"weight_sync_schemes": {"policy": SharedMemWeightSyncScheme()}})
+    try:
+        collector.update_policy_weights_()  # connects the actor: versions 0 and 1
+        sent: list[float] = [weight_value(1)]
+        seen_all: set[float] = set()
+        for i, batch in enumerate(collector):
+            lo, hi = batch["probe_min"].reshape(-1), batch["probe_max"].reshape(-1)
+            assert torch.equal(lo, hi), f"batch {i}: a frame computed from mixed versions"
+            seen = set(lo.tolist())
+            assert seen <= set(sent), (i, seen, sent)
+            if collector_class == "MultiSyncCollector":  # idle workers: the newest, whole
+                assert seen == {sent[-1]}, (i, seen, sent)
+            seen_all |= seen
+            fill_(policy, weight_value(scheme.version + 1))
+            collector.update_policy_weights_()
+            sent.append(weight_value(scheme.version))
+        assert i == 7, i
+        assert len(seen_all) >= 3, (seen_all, sent)  # the versions did reach the processes
+    finally:
+        collector.shutdown()
 
 
 def test_batches_without_a_new_version_never_wait(ray_cluster: None) -> None:

@@ -4,12 +4,14 @@ The trainer's end is a weightsync Ray sender whose workers are the collector act
 call it makes on a worker actor runs, through TorchRL's ``cascade_execute``, on this scheme's
 copy inside that actor (``_receiver_schemes[model_id]``). Actors on the trainer's node take
 each version from its shared memory, actors on other nodes from the checksummed broadcast;
-every actor applies a new version at its collector's batch start (``pre_collect_hook``)."""
+every actor applies a new version at its collector's batch start (``pre_collect_hook``); an
+actor that is a multi-process collector applies it on delivery and forwards it to its
+worker processes (``ray_inner.py``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchrl.weight_update.weight_sync_schemes import register_weight_sync_backend
@@ -18,6 +20,7 @@ import weightsync as ws
 from weightsync import RayWeightReceiver, RayWeightReceiverMixin
 from weightsync.integrations.torchrl.adapter import WeightsyncTorchRLScheme
 from weightsync.integrations.torchrl.collector_hooks import close_with
+from weightsync.integrations.torchrl.ray_inner import InnerForwarder, is_multi_process_collector
 
 logger = logging.getLogger(__name__)
 
@@ -73,23 +76,22 @@ class CollectorActor:
 
 
 class _ActorEnd(RayWeightReceiverMixin):
-    """Inside a collector actor: answers the sender's calls for one receiver."""
+    """Inside a collector actor: answers the sender's calls for one receiver;
+    ``on_delivery`` (if given) runs after each delivery has been taken."""
 
-    def __init__(self, receiver: RayWeightReceiver) -> None:
+    def __init__(self, receiver: RayWeightReceiver,
+                 on_delivery: Callable[[], None] | None = None) -> None:
         self.weightsync_receiver = receiver
+        self._on_delivery = on_delivery
 
-
-def _refuse_multi_collector(collector_class: type) -> None:
-    """Refuse collector actors that are multi-process collectors: a version applied to the
-    actor's policy would never reach its worker processes."""
-    from torchrl.collectors import MultiCollector
-
-    if issubclass(collector_class, MultiCollector):
-        raise ValueError(
-            f"RayWeightSyncScheme serves RayCollector's collector actors that are single "
-            f"collectors (collector_class=Collector, the default), not "
-            f"collector_class={collector_class.__name__}: its worker processes would never "
-            "see the versions")
+    def _weightsync_receive(
+        self, version: int, keep: bool, messages: list[dict[str, Any]] | None = None,
+        delivery: dict[str, Any] | None = None,
+    ) -> int | dict[str, Any]:
+        held = super()._weightsync_receive(version, keep, messages, delivery)
+        if self._on_delivery is not None:
+            self._on_delivery()
+        return held
 
 
 @register_weight_sync_backend(RAY_BACKEND)
@@ -104,10 +106,13 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
     (``False``: an update returns once the snapshot is taken), ``node_local`` and
     ``checksums`` (as for ``weightsync.RayWeightSyncScheme``)."""
 
-    _process_local = (*WeightsyncTorchRLScheme._process_local, _ACTOR_END)
+    _process_local = (*WeightsyncTorchRLScheme._process_local, _ACTOR_END, "_inner")
     # a collector actor runs one call at a time: what a version still lacks comes with the
     # sender's next call on it, which cannot run while a batch start waits for it
     _wait_for_published = False
+    # the same reason: a delivery lands between the actor's calls, and each batch start takes
+    # it (an actor that is a multi-process collector applies and forwards it on delivery)
+    _apply_when_idle = False
     _accepts_stateless_policy = True  # as TorchRL's RayWeightSyncScheme: nothing to sync
     _per_worker_capable = False  # one Ray scheme for every actor: the same versions
 
@@ -122,14 +127,12 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
         self.checksums = bool(checksums)
         self._actors: list[Any] = []
         self.actor_end: _ActorEnd | None = None
+        self._inner: InnerForwarder | None = None  # an actor that is a multi-process collector
 
     # ============================================================== trainer side
     def _init_on_sender_impl(self, *, model_id: str | None = None, context: Any = None,
                              remote_collectors: Sequence[Any] | None = None,
                              num_workers: int | None = None, **kwargs: Any) -> None:
-        collector_class = getattr(context, "collector_class", None)
-        if isinstance(collector_class, type):
-            _refuse_multi_collector(collector_class)
         actors = remote_collectors
         if actors is None and context is not None:
             actors = getattr(context, "remote_collectors", None)
@@ -160,10 +163,12 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
     # ============================================================== actor side
     def _init_on_receiver_impl(self, *, model_id: str | None = None, context: Any = None,
                                **kwargs: Any) -> None:
-        _refuse_multi_collector(type(context))
         super()._init_on_receiver_impl(model_id=model_id, context=context, **kwargs)
         if self._no_weights:
             return  # the policy has no weights: no receiver, nothing to apply
+        if context is not None and is_multi_process_collector(context):
+            # its policy never runs here: apply on delivery, forward to its processes
+            self._inner = InnerForwarder(context, self.model_id or "policy")
         idx = self.worker_idx
         if idx is None or self._ws is None:
             raise RuntimeError(f"{type(self).__name__}: a collector actor needs its worker_idx "
@@ -174,7 +179,7 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
         assert isinstance(receiver, RayWeightReceiver)
         receiver.register_model(self._materialized_model(idx))
         self._receiver = receiver
-        self.actor_end = _ActorEnd(receiver)
+        self.actor_end = _ActorEnd(receiver, self._apply_and_forward if self._inner else None)
         self._install_hook()
         if self.context is not None:
             close_with(self.context, self)
@@ -187,7 +192,28 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
             return
         if self._receiver is None:
             raise RuntimeError(f"worker {self.worker_idx}: connect() before init_on_receiver()")
-        self.poll()
+        if self._inner is not None:
+            self._apply_and_forward()
+        else:
+            self.poll()
+
+    def _install_hook(self) -> None:
+        if self._inner is None:  # a multi-process collector's hook would run in its workers
+            super()._install_hook()
+
+    def _apply_and_forward(self) -> None:
+        """In an actor that is a multi-process collector (between two of its Ray calls, so
+        never mid-batch here): apply a delivered version now and forward it to the actor's
+        worker processes. A failed forward is logged; the next version is forwarded anew."""
+        inner, receiver = self._inner, self._receiver
+        version = self.poll()
+        if version is None or inner is None or receiver is None:
+            return
+        try:
+            inner.forward(receiver.model, version)
+        except Exception as exc:  # the actor keeps running; the trainer's next send retries
+            logger.error("worker %s: version %d applied in the actor but not forwarded to its "
+                         "worker processes: %s", self.worker_idx, version, exc)
 
     @property
     def path(self) -> str | None:
