@@ -16,6 +16,8 @@ import logging
 import weakref
 from typing import Any
 
+from weightsync.integrations.torchrl.collector_hooks import model_in_collector
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,6 +26,15 @@ def is_multi_process_collector(collector: Any) -> bool:
     from torchrl.collectors import MultiCollector
 
     return isinstance(collector, MultiCollector)
+
+
+def actor_policy(collector: Any, model_id: str) -> Any:
+    """The policy a multi-process collector actor receives versions into: its own, else
+    (built from a ``policy_factory`` only) one its factory makes, held by the scheme."""
+    try:
+        return collector.get_model(model_id)
+    except (ValueError, AttributeError, KeyError):
+        return model_in_collector(collector, model_id)
 
 
 def _inner_scheme(collector: Any, model_id: str) -> Any:

@@ -20,7 +20,11 @@ import weightsync as ws
 from weightsync import RayWeightReceiver, RayWeightReceiverMixin
 from weightsync.integrations.torchrl.adapter import WeightsyncTorchRLScheme
 from weightsync.integrations.torchrl.collector_hooks import close_with
-from weightsync.integrations.torchrl.ray_inner import InnerForwarder, is_multi_process_collector
+from weightsync.integrations.torchrl.ray_inner import (
+    InnerForwarder,
+    actor_policy,
+    is_multi_process_collector,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +167,13 @@ class RayWeightSyncScheme(WeightsyncTorchRLScheme):
     # ============================================================== actor side
     def _init_on_receiver_impl(self, *, model_id: str | None = None, context: Any = None,
                                **kwargs: Any) -> None:
+        multi = context is not None and is_multi_process_collector(context)
+        if multi and kwargs.get("model") is None and not self._no_weights:
+            kwargs["model"] = actor_policy(context, model_id or "policy")
         super()._init_on_receiver_impl(model_id=model_id, context=context, **kwargs)
         if self._no_weights:
             return  # the policy has no weights: no receiver, nothing to apply
-        if context is not None and is_multi_process_collector(context):
+        if multi:
             # its policy never runs here: apply on delivery, forward to its processes
             self._inner = InnerForwarder(context, self.model_id or "policy")
         idx = self.worker_idx
