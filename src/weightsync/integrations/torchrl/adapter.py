@@ -473,7 +473,8 @@ class WeightsyncTorchRLScheme(TorchRLWeightSyncScheme):
 
             self._apply_points = ApplyPoints(
                 on_batch_start, poll, idle=self._apply_when_idle and not self._local,
-                name=f"{self.model_id}-{self.worker_idx}")
+                name=f"{self.model_id}-{self.worker_idx}",
+                apply_timeout=self.timeout + 5.0)  # a poll waits up to self.timeout
         self._apply_points.install(self.context, self.model)
 
     def _on_batch_start(self) -> None:

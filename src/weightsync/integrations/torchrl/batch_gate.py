@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.integrations.torchrl.collector_hooks import chain_pre_collect_hook
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ class BatchGate:
     never block for long (the scheme's ``poll``); returning ``False`` ends the thread (the
     scheme is gone)."""
 
-    def __init__(self, apply: Callable[[], Any], name: str,
+    def __init__(self, apply: Callable[[], Any], name: str, *, apply_timeout: float,
                  interval: float = IDLE_POLL_S) -> None:
         self._apply = apply
+        self._apply_timeout = apply_timeout
         self._interval = interval
         self._cond = threading.Condition()
         self._in_batch = False
@@ -60,8 +62,10 @@ class BatchGate:
         """A batch starts in the calling thread: wait for an apply in progress, then keep the
         background applier out until ``batch_end()``."""
         with self._cond:
-            while self._applying:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: not self._applying, self._apply_timeout):
+                raise WeightSyncTimeoutError(
+                    f"{self._thread.name}: applying a version between batches took over "
+                    f"{self._apply_timeout:.0f} s; the batch cannot start meanwhile")
             self._in_batch = True
 
     def batch_end(self) -> None:
@@ -85,7 +89,7 @@ class BatchGate:
         while True:
             with self._cond:
                 while self._in_batch and not self._stopped:
-                    self._cond.wait()
+                    self._cond.wait(1.0)  # woken by batch_end() or stop()
                 if self._stopped:
                     return
                 self._applying = True
@@ -119,7 +123,8 @@ def chain_post_collect_hook(collector: Any, callback: Callable[[], None]) -> boo
     return True
 
 
-def open_idle_gate(collector: Any, poll: Callable[[], Any], name: str) -> BatchGate | None:
+def open_idle_gate(collector: Any, poll: Callable[[], Any], name: str,
+                   apply_timeout: float) -> BatchGate | None:
     """A ``BatchGate`` applying versions (``poll``) while ``collector`` is between batches,
     its ``batch_end`` chained to the collector's ``post_collect_hook``; None if the
     collector cannot say when a batch ends. The caller calls ``batch_start()`` in its
@@ -133,7 +138,7 @@ def open_idle_gate(collector: Any, poll: Callable[[], Any], name: str) -> BatchG
 
     if not chain_post_collect_hook(collector, on_batch_end):
         return None
-    gate = BatchGate(poll, name)
+    gate = BatchGate(poll, name, apply_timeout=apply_timeout)
     gate_ref.append(weakref.ref(gate))
     return gate
 
@@ -146,10 +151,11 @@ class ApplyPoints:
     callables should hold the scheme weakly (the hooks live as long as the collector)."""
 
     def __init__(self, on_batch_start: Callable[[], None], poll: Callable[[], Any], *,
-                 idle: bool, name: str) -> None:
+                 idle: bool, name: str, apply_timeout: float) -> None:
         self._on_batch_start = on_batch_start
         self._poll = poll
         self._idle = idle
+        self._apply_timeout = apply_timeout
         self._name = name
         self._hooked: weakref.ReferenceType[Any] | None = None
         self._handle: Any = None
@@ -172,7 +178,8 @@ class ApplyPoints:
                 if self._idle:
                     if self.gate is not None:
                         self.gate.stop()
-                    self.gate = open_idle_gate(collector, self._poll, self._name)
+                    self.gate = open_idle_gate(collector, self._poll, self._name,
+                                               self._apply_timeout)
                 return
         if self._hooked is None and self._handle is None and isinstance(model,
                                                                          torch.nn.Module):
