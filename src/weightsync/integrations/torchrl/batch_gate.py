@@ -96,9 +96,11 @@ class BatchGate:
             try:
                 if self._apply() is False:
                     self._stopped = True
-            except Exception:  # the batch start still applies: log it, keep looking
-                logger.exception("%s: applying a version between batches failed",
+            except Exception:  # stop here; the next batch start applies (or raises) instead
+                logger.exception("%s: applying a version between batches failed; versions "
+                                 "are applied at batch starts only from now on",
                                  self._thread.name)
+                self._stopped = True
             finally:
                 with self._cond:
                     self._applying = False
