@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 #: pytest's exit status when a hard deadline ended the run
 EXIT_CODE = 86
@@ -57,9 +58,11 @@ class HardDeadline:
     """Arm with ``start()`` before a test, ``cancel()`` after it; ``seconds`` after
     ``start()`` an uncancelled deadline ends this process (see the module docstring)."""
 
-    def __init__(self, nodeid: str, seconds: float) -> None:
+    def __init__(self, nodeid: str, seconds: float,
+                 release_output: Callable[[], None] | None = None) -> None:
         self.nodeid = nodeid
         self.seconds = seconds
+        self._release_output = release_output  # e.g. stop pytest's capture of fd 2
         self._cancelled = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hard-deadline", daemon=True)
 
@@ -74,6 +77,9 @@ class HardDeadline:
         start = time.monotonic()
         if self._cancelled.wait(self.seconds):
             return
+        if self._release_output is not None:
+            with contextlib.suppress(Exception):  # the report below matters more
+                self._release_output()
         err = sys.__stderr__ or sys.stderr
         err.write(f"\n\nHARD DEADLINE: {self.nodeid} still running after "
                   f"{time.monotonic() - start:.0f} s (limit {self.seconds:.0f} s); "

@@ -273,7 +273,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
     from hard_timeout import HardDeadline
 
-    deadline = HardDeadline(item.nodeid, HARD_TIMEOUT_S).start()
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    release = None if capman is None else (lambda: capman.suspend_global_capture(in_=True))
+    deadline = HardDeadline(item.nodeid, HARD_TIMEOUT_S, release).start()
     try:
         yield
     finally:
