@@ -19,6 +19,9 @@ after the one a test's ``runtime_env`` sets, so they unpickle the same weightsyn
 
 Tests known to fail on weightsync are marked ``xfail(strict=True)`` below with the reason:
 a fix turns the xfail into a failure that says so (then remove the entry).
+
+Each ``test_distributed.py`` (Ray) test also runs under a hard deadline that ends the run,
+with the stacks and the test's id, rather than let a test blocked in Ray hang it.
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def _reason_for(item: pytest.Item) -> str | None:
 
 # The CI selection. Every collector test starts worker processes (each imports torch and
 # TorchRL: seconds apiece on 2 cores), so the whole directory (162 tests) takes far longer
-# than the ~6 minutes CI gives it. For these test functions only the parametrizations
+# than the ~10 minutes CI gives it. For these test functions only the parametrizations
 # listed run by default; ``WEIGHTSYNC_TORCHRL_COMPAT_ALL=1`` runs every one. What goes:
 # * repeats: TestAsyncCollection's single-process ``Collector`` never builds a scheme, so
 #   its scheme parametrizations repeat each other (and move no weights between processes);
