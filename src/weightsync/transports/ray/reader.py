@@ -9,7 +9,8 @@ memory of its own, and the others copy it from there (``"relayed"``), as actors 
 trainer's node do from the trainer's. ``apply_newest`` (the worker's
 ``poll()``) verifies and applies the newest one whole. With nothing new, ``check_sender``
 raises a delivery that failed, or :class:`SenderLostError` once the sender's rendezvous
-actor is gone or silent.
+actor is gone or silent. With ``delta=True`` the node's actor in the group takes its own
+stream (``delivery["stream"]``, see ``delta_stream``), verified chunk by chunk in ``take``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import SenderLostError, WeightSyncError
+from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
 from weightsync.core.layout import Layout
 from weightsync.core.staging import Buffers, StagingBuffers
+from weightsync.transports.ray.delta_stream import DeltaReceiver
 from weightsync.transports.ray.group import GroupInfo
 from weightsync.transports.ray.node_local import NodeLocalInfo, NodeLocalSender
 from weightsync.transports.ray.staging import checked_staging
@@ -61,6 +63,7 @@ class RayReader:
         self._relay: NodeLocalSender | None = None  # this actor relays to its node's others
         self._relayed = False  # this actor copies from its node's relay
         self._relayed_now = False  # the version being taken was relayed
+        self._delta: DeltaReceiver | None = None  # delta streams: this node's base
 
     @property
     def path(self) -> str | None:
@@ -118,6 +121,7 @@ class RayReader:
             self._staging = None  # poll() copies straight out of the sender's slots
         elif self._staging is None or self._staging.layout != self.transport.layout:
             self._staging = checked_staging(self.transport.layout, self.worker_idx)
+            self._delta = None  # a new layout: no base
 
     def take(self, version: int, keep: bool, messages: list[dict[str, Any]] | None,
              delivery: dict[str, Any] | None, held: int) -> dict[str, Any]:
@@ -131,8 +135,13 @@ class RayReader:
             raise RuntimeError(f"worker {self.worker_idx} has not joined the group")
         delivery = delivery or {}
         local = self.transport.local
+        stream = delivery.get("stream")
         if local is not None:
             local.take_messages(messages or [])
+        elif stream is not None:
+            refused = self._take_stream(version, keep, stream, delivery, held)
+            if refused is not None:
+                return self._answer() | {"refused": refused}
         else:
             transport, staging = self.transport, self._staging
             assert staging is not None and transport.group is not None
@@ -163,11 +172,62 @@ class RayReader:
             self._failure = None
         with self._arrived:
             self._arrived.notify_all()
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        """What ``take`` tells the sender beyond the version held: a relay's followers'
+        segments, and the snapshot this node's delta base is (``delta``)."""
+        answer: dict[str, Any] = {} if self._delta is None else {"base": self._delta.base_id}
         relay = self._relay
         if relay is None:
-            return {}
-        return {"relayed": self._relayed_now,
-                "messages": {w: relay.messages_for(w) for w in relay.workers}}
+            return answer
+        return answer | {"relayed": self._relayed_now,
+                         "messages": {w: relay.messages_for(w) for w in relay.workers}}
+
+    def _take_stream(self, version: int, keep: bool, stream: dict[str, Any],
+                     delivery: dict[str, Any], held: int) -> str | None:
+        """Delta: take this node's stream of ``version``, verified, into staging (and relay
+        it); returns why it was refused (the sender then streams it whole) or None."""
+        transport, staging, group = self.transport, self._staging, self.transport.group
+        assert staging is not None and group is not None and transport.layout is not None
+        if self._delta is None:
+            self._delta = DeltaReceiver(transport.layout, self.worker_idx)
+        self._relayed_now = False
+        if stream.get("skip"):
+            return None
+        generation = delivery.get("generation")
+        if generation is not None and generation != group.info.generation:
+            raise WeightSyncError(
+                f"worker {self.worker_idx}: version {version} was sent to group generation "
+                f"{generation}, this actor is in {group.info.generation}")
+        timeout, followers, decoder = delivery.get("timeout_s"), delivery.get("relay"), self._delta
+
+        def write(buffers: Buffers) -> None:
+            decoder.receive(group, buffers, stream, version, timeout,
+                            RayTransport.wire_hook)
+            if self._relay is not None and followers:
+                layout = transport.layout
+                assert layout is not None
+                self._relay.publish(layout.named_views(buffers), followers, version, timeout)
+                self._relayed_now = True
+
+        try:
+            staging.fill(version, write, keep)
+        except IntegrityError as exc:
+            logger.warning("%s", exc)
+            if stream.get("base") is None:  # whole chunks failed too: nothing is applied,
+                if keep:  # the sender raises it, and so does the next poll()
+                    self._failure = exc
+                raise
+            return str(exc)
+        except RuntimeError as exc:
+            failure = WeightSyncError(
+                f"worker {self.worker_idx}: version {version} did not arrive ({exc}); the "
+                f"sender or the network to it failed. Keeping version {held}.")
+            if keep:
+                self._failure = failure
+            raise failure from exc
+        return None
 
     def _relay_version(self, relay: NodeLocalSender, buffers: Buffers, followers: list[int],
                        version: int, timeout: float | None, checked: bool) -> list[int] | None:

@@ -10,6 +10,11 @@ its shared memory: they are signalled once it answered. ``wait_acked`` collects 
 actors' answers: a dead actor becomes :class:`WorkerLostError`, a silent one
 :class:`WeightSyncTimeoutError`, a failed broadcast :class:`WeightSyncError`, each naming
 the workers; the next send rebuilds the group without them, so the others keep receiving.
+
+``dtype`` casts floating-point weights as they are packed. With ``delta`` (gloo), each node
+on another host gets its own point-to-point stream instead of the broadcast: every chunk as
+the difference from the version that node holds (``delta_stream``); a node whose rebuilt
+version fails its checksums gets it whole at once, within the same send.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError, Work
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ray.answers import Answers
-from weightsync.transports.ray.group import FillChunk, bucket_buffers, wire_device
+from weightsync.transports.ray.delta import check_available
+from weightsync.transports.ray.delta_stream import DeltaSender, WireFigures
+from weightsync.transports.ray.group import FillChunk, _chunks, bucket_buffers, wire_device
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
 from weightsync.transports.ray.node_local import NodeLocalSender
 from weightsync.transports.ray.stream import can_stream, streamed_pack
@@ -46,16 +53,23 @@ class _Flight:
     refs: dict[int, Any] = field(default_factory=dict)  # one take call per member
     sent: bool = False  # signalled and broadcast (by publish, when streamed)
     broadcast_error: str | None = None
+    delivery: dict[str, Any] = field(default_factory=dict)  # what every take call carries
+    snapshot_id: str | None = None  # delta: the snapshot streamed
+    figures: WireFigures = field(default_factory=WireFigures)
 
 
 class RayWriter:
     """Trainer side of the Ray scheme: actors as workers, Ray for signals, weightsync's own
-    group for the bytes. ``checksums`` is read at each send."""
+    group for the bytes. ``checksums`` is read at each send; ``dtype`` (floating-point
+    weights cast as packed) and ``delta`` (per-node delta streams) are fixed."""
 
     needs_acks = True
 
     def __init__(self, *, num_workers: int, backend: str, node_local: bool, checksums: bool,
-                 rendezvous_name: str, secret: str, timeout: float) -> None:
+                 rendezvous_name: str, secret: str, timeout: float,
+                 dtype: torch.dtype | None = None, delta: bool = False) -> None:
+        if delta:
+            check_available()
         self.members = RayMembers(num_workers=num_workers, backend=backend, secret=secret,
                                   rendezvous_name=rendezvous_name, store_timeout=timeout)
         self.backend = backend
@@ -70,6 +84,10 @@ class RayWriter:
         self.local: NodeLocalSender | None = None  # actors on this node read from here
         self._versions: dict[int, int] = {}  # the version each worker last confirmed
         self._flight: _Flight | None = None
+        self.dtype = dtype
+        self.delta = delta
+        self._delta: DeltaSender | None = None  # made with the wire layout
+        self.figures: dict[int, dict[str, int]] = {}  # version -> what crossed the network
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, deadline: Deadline) -> None:
@@ -89,11 +107,14 @@ class RayWriter:
 
     def _prepare(self, layout: Layout) -> None:
         """The wire layout, and shared memory for actors on this node (gloo, CPU weights,
-        ``node_local``); chosen once."""
+        ``node_local``); chosen once. ``layout`` is the trainer's, cast here to ``dtype``."""
+        layout = layout.with_dtype(self.dtype)
         self._layout = layout
         if self._wire_layout is not None:
             return
         self._wire_layout = layout.on_device(wire_device(self.backend))
+        if self.delta:
+            self._delta = DeltaSender(self._wire_layout)
         if (self.node_local and self.backend == "gloo"
                 and set(layout.nbytes_by_device) == {"cpu"}):
             self.local = NodeLocalSender(max_slots=self.members.num_workers + 2)
@@ -109,6 +130,8 @@ class RayWriter:
         members = self.members
         members.take_announcements(deadline)  # a replacement actor joins at the next send
         self._prepare(layout)
+        assert self._layout is not None
+        layout = self._layout
         wire_layout, local = self._wire_layout, self.local
         assert wire_layout is not None
         dead: Losses = {}
@@ -124,8 +147,10 @@ class RayWriter:
         dead |= {w: "not a member of the group" for w in keep
                  if w not in members.members and w not in dead and w not in silent}
         local_keep = [w for w in keep if local is not None and w in local.workers]
-        fill = None
+        fill, snapshot_id = None, None
         if flat is None:  # the newest snapshot again
+            if self._delta is not None and self._delta.latest is not None:
+                snapshot_id = self._delta.latest.id
             assert self._latest is not None
             buffers = self._latest
             if local is not None and local_keep:
@@ -134,6 +159,17 @@ class RayWriter:
                 else:
                     local.publish(wire_layout.named_views(buffers), local_keep, version,
                                   deadline.remaining())
+        elif self._delta is not None or (self.dtype is not None and local is not None
+                                         and local.workers):  # packed (and cast) first
+            buffers = (self._delta.next_buffers() if self._delta is not None
+                       else self._wire_buffers())
+            wire_layout.pack(flat, buffers)
+            if self._delta is not None:
+                snapshot_id = self._delta.packed(buffers)
+            if local is not None and local.workers:
+                local.publish(wire_layout.named_views(buffers), local_keep, version,
+                              deadline.remaining())
+            self._latest_in_slot = False
         elif local is not None and local.workers:  # one write into shared memory
             local.publish(flat, local_keep, version, deadline.remaining())
             buffers, self._latest_in_slot = local.latest_buffers(), True
@@ -146,7 +182,7 @@ class RayWriter:
         self._latest = buffers
         if self.backend == "nccl":
             torch.cuda.synchronize()
-        self._flight = flight = _Flight(version, buffers, silent)
+        self._flight = flight = _Flight(version, buffers, silent, snapshot_id=snapshot_id)
         if fill is not None:
             assert flat is not None
             targets = [w for w in requested if w not in dead]
@@ -177,16 +213,24 @@ class RayWriter:
         budget = share(deadline, BROADCAST_SHARE)
         delivery = {"generation": group.info.generation, "checked": checked,
                     "timeout_s": None if budget is None else budget * 0.95}
+        flight.delivery = delivery
+        streams = self._streams(flight) if remote and self._delta is not None else None
         for w, h in members.members.items():
             if w in members.followers:
                 continue  # signalled with its relay's answer
             followers = members.relays_of(w)
+            told = delivery if streams is None or w not in group.info.ranks else (
+                delivery | {"stream": streams.get(group.info.ranks[w], {"skip": True})})
             flight.refs[w] = h._weightsync_receive.remote(
                 version, w in flight.keep, local.messages_for(w) if local is not None else None,
-                delivery | {"relay": [f for f in followers if f in flight.keep]}
-                if followers else delivery)
-        if remote:
+                told | {"relay": [f for f in followers if f in flight.keep]}
+                if followers else told)
+        if streams is not None:
+            self._stream(flight, {r: s["base"] for r, s in streams.items()}, budget)
+        elif remote:
             wire = bucket_buffers(self._wire_layout, flight.buffers)
+            flight.figures.add(WireFigures(sum(b.numel() for b in wire) * (group.info.world_size - 1),
+                                           len(_chunks(wire)) * (group.info.world_size - 1)))
             try:
                 if checked:  # chunks, each summed as it goes out, then the sums
                     group.send_checked(wire, budget, fill)
@@ -198,6 +242,30 @@ class RayWriter:
                                           else type(exc).__name__)
                 members.group = None  # broken: rebuilt from the survivors at the next send
 
+    def _streams(self, flight: _Flight) -> dict[int, dict[str, Any]]:
+        """Delta: what each rank that needs the version is streamed (``id`` and the
+        ``base`` its deltas are against, None: whole); ranks whose actor and followers
+        all are left out by ``worker_ids`` get nothing."""
+        members, delta = self.members, self._delta
+        assert members.group is not None and delta is not None
+        streams = {}
+        for w, rank in members.group.info.ranks.items():
+            if w in flight.keep or any(f in flight.keep for f in members.relays_of(w)):
+                streams[rank] = {"id": flight.snapshot_id,
+                                 "base": delta.base_for(w, members.members.get(w))}
+        return streams
+
+    def _stream(self, flight: _Flight, targets: dict[int, str | None],
+                budget: float | None) -> None:
+        """Delta: send the streams; a failure breaks the group like a failed broadcast."""
+        assert self._delta is not None and self.members.group is not None
+        try:
+            flight.figures.add(self._delta.send(self.members.group, targets, budget))
+        except RuntimeError as exc:
+            logger.warning("the delta streams of version %d failed: %s", flight.version, exc)
+            flight.broadcast_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.members.group = None
+
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
         """Collect every member's answer; raise naming the dead, the silent, or the failed
@@ -206,6 +274,12 @@ class RayWriter:
         assert flight is not None and flight.version == version
         members = self.members
         answers = members.answers(flight.refs, deadline.remaining())
+        if self._delta is not None and flight.snapshot_id is not None:
+            answers = self._resend_refused(flight, answers, deadline)
+            self._note_bases(flight, answers)
+        self.figures[version] = flight.figures.as_dict()
+        for old in sorted(self.figures)[:-8]:
+            del self.figures[old]
         answers = self._relayed(flight, answers, deadline)
         for w, acked in answers.values.items():
             if w in flight.keep:
@@ -237,6 +311,46 @@ class RayWriter:
             raise WeightSyncError(
                 f"the broadcast of version {version} failed{': ' + error if error else ''}"
                 f"{'; ' + what if what else ''}; the group is rebuilt at the next send")
+
+    def _resend_refused(self, flight: _Flight, answers: Answers, deadline: Deadline) -> Answers:
+        """Delta: a node whose rebuilt version failed its checksums (it raised
+        IntegrityError and kept its base) gets the version whole, at once."""
+        members, group = self.members, self.members.group
+        refused = {w: a["refused"] for w, a in answers.values.items()
+                   if isinstance(a, dict) and a.get("refused")}
+        if not refused or group is None:
+            return answers
+        for w, why in sorted(refused.items()):
+            logger.warning("worker %d refused the delta of version %d (%s); sending it whole",
+                           w, flight.version, why)
+        flight.figures.delta_refused += len(refused)
+        refs: dict[int, Any] = {}
+        targets: dict[int, str | None] = {}
+        for w in refused:
+            followers = [f for f in members.relays_of(w) if f in flight.keep]
+            stream = {"id": flight.snapshot_id, "base": None}
+            refs[w] = members.members[w]._weightsync_receive.remote(
+                flight.version, w in flight.keep, None,
+                flight.delivery | {"stream": stream} | ({"relay": followers} if followers else {}))
+            targets[group.info.ranks[w]] = None
+        self._stream(flight, targets, share(deadline, BROADCAST_SHARE))
+        more = members.answers(refs, deadline.remaining())
+        for w in refused:
+            answers.values.pop(w, None)
+        answers.values |= more.values
+        answers.dead |= more.dead
+        answers.silent |= more.silent
+        answers.errors |= more.errors
+        return answers
+
+    def _note_bases(self, flight: _Flight, answers: Answers) -> None:
+        """Delta: the snapshot each streamed node verified (its answer says), else none."""
+        delta, members = self._delta, self.members
+        assert delta is not None
+        for w in (members.group.info.ranks if members.group is not None else flight.refs):
+            answer = answers.values.get(w)
+            base = answer.get("base") if isinstance(answer, dict) else None
+            delta.remember(w, members.handles.get(w), base if isinstance(base, str) else None)
 
     def _relayed(self, flight: _Flight, answers: Answers, deadline: Deadline) -> Answers:
         """Signal each follower once its relay answered (with the segments it names), and

@@ -1,0 +1,237 @@
+"""Per-node streams of the Ray scheme with ``delta=True``: the trainer sends each node the
+chunks of a version as differences from the version that node holds, point to point over
+the group (one node's base may differ from another's, so no broadcast).
+
+Each chunk goes as a small header (kind, payload size, the checksum of the new chunk) then
+its payload (see ``delta``). The trainer keeps the previous packed version beside the
+newest (two buffers, swapped: one extra copy of the version); each receiving node keeps the
+last version it verified (one extra copy). A node gets deltas only against the exact
+snapshot the trainer knows it holds (``SnapshotId``); anything else goes whole. The node
+rebuilds every chunk, verifies it against the sender's checksum before any worker may take
+it, and only then makes it its new base: a mismatch refuses the version
+(:class:`IntegrityError`) and leaves the base as it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.core.errors import IntegrityError
+from weightsync.core.layout import Layout
+from weightsync.transports.ray.delta import DELTA, SAME, WHOLE, DeltaDecoder, DeltaEncoder
+from weightsync.transports.ray.group import WeightGroup, _chunks, bucket_buffers, wire_checksum
+
+logger = logging.getLogger(__name__)
+
+Buffers = dict[str, torch.Tensor]
+#: test hook: called with each rebuilt chunk ([chunk]) before it is verified
+ChunkHook = Callable[[list[torch.Tensor]], None]
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _wait(work: Any, timeout: float | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+
+
+def _pg(group: WeightGroup) -> Any:
+    if group.pg is None:
+        raise RuntimeError(f"group generation {group.info.generation} is closed")
+    return group.pg
+
+
+@dataclass
+class WireFigures:
+    """What crossed the network for one version, all nodes together."""
+
+    wire_bytes: int = 0
+    chunks: int = 0
+    delta_chunks: int = 0  # sent as a delta (an unchanged chunk counts, at 0 bytes)
+    delta_refused: int = 0  # nodes whose rebuilt version failed its checksums (sent whole)
+
+    def add(self, other: WireFigures) -> None:
+        self.wire_bytes += other.wire_bytes
+        self.chunks += other.chunks
+        self.delta_chunks += other.delta_chunks
+        self.delta_refused += other.delta_refused
+
+    def as_dict(self) -> dict[str, int]:
+        return {"wire_bytes": self.wire_bytes, "chunks": self.chunks,
+                "delta_chunks": self.delta_chunks, "delta_refused": self.delta_refused}
+
+
+@dataclass
+class _Snapshot:
+    id: str
+    buffers: Buffers
+
+
+@dataclass
+class DeltaSender:
+    """The trainer's side: two packed buffers (the newest snapshot and the one before, the
+    base of the deltas) and the snapshot each worker's node verified last."""
+
+    layout: Layout  # the wire layout (CPU)
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    latest: _Snapshot | None = None
+    previous: _Snapshot | None = None
+    bases: dict[int, tuple[Any, str]] = field(default_factory=dict)  # worker -> (handle, id)
+    _spare: Buffers | None = None
+    _count: int = 0
+    _encoder: DeltaEncoder = field(default_factory=DeltaEncoder)
+
+    def next_buffers(self) -> Buffers:
+        """Buffers to pack the next version into (never the newest snapshot's)."""
+        if self.previous is not None:
+            return self.previous.buffers
+        if self._spare is None:
+            self._spare = self.layout.allocate()
+        return self._spare
+
+    def packed(self, buffers: Buffers) -> str:
+        """``buffers`` (from :meth:`next_buffers`) now hold the newest snapshot; its id."""
+        self._count += 1
+        snapshot = _Snapshot(f"{self.nonce}:{self._count}", buffers)
+        self.previous, self.latest = self.latest, snapshot
+        self._spare = None
+        return snapshot.id
+
+    def base_for(self, worker_idx: int, handle: Any) -> str | None:
+        """The snapshot a delta for this worker's node is taken against (None: whole)."""
+        held = self.bases.get(worker_idx)
+        if held is None or held[0] is not handle or self.previous is None:
+            return None
+        return held[1] if held[1] == self.previous.id else None
+
+    def remember(self, worker_idx: int, handle: Any, snapshot_id: str | None) -> None:
+        """The snapshot this worker's node verified last (None: unknown)."""
+        if snapshot_id is None:
+            self.bases.pop(worker_idx, None)
+        else:
+            self.bases[worker_idx] = (handle, snapshot_id)
+
+    def send(self, group: WeightGroup, targets: Mapping[int, str | None],
+             timeout: float | None) -> WireFigures:
+        """Send the newest snapshot to each rank of ``targets`` (rank -> base id, None for
+        whole chunks); each chunk is encoded once (for all ranks with the same base) while
+        the ones before it are on the wire."""
+        assert self.latest is not None
+        pg, figures = _pg(group), WireFigures()
+        pieces = _chunks(bucket_buffers(self.layout, self.latest.buffers))
+        bases = (_chunks(bucket_buffers(self.layout, self.previous.buffers))
+                 if self.previous is not None else None)
+        works: list[Any] = []
+        alive: list[torch.Tensor] = []  # payloads and headers, until their sends complete
+        for index, piece in enumerate(pieces):
+            checksum = _signed(wire_checksum(piece))
+            encoded: dict[str | None, tuple[int, torch.Tensor]] = {None: (WHOLE, piece)}
+            for rank, base in targets.items():
+                if base not in encoded:
+                    assert bases is not None and self.previous is not None
+                    encoded[base] = self._encoder.encode(piece, bases[index])
+                kind, payload = encoded[base]
+                header = torch.tensor([kind, payload.numel(), checksum], dtype=torch.int64)
+                alive += [header, payload]
+                works.append(pg.send([header], rank, 2 * index))
+                if payload.numel():
+                    works.append(pg.send([payload], rank, 2 * index + 1))
+                figures.wire_bytes += payload.numel() + header.numel() * 8
+                figures.chunks += 1
+                figures.delta_chunks += kind != WHOLE
+        for work in works:
+            _wait(work, timeout)
+        return figures
+
+
+class DeltaReceiver:
+    """A node's side (the actor that takes the node's stream): its base, the last version
+    it verified, and the scratch a compressed delta lands in."""
+
+    def __init__(self, layout: Layout, worker_idx: int) -> None:
+        self.layout = layout
+        self.worker_idx = worker_idx
+        self.base: Buffers | None = None
+        self.base_id: str | None = None
+        self._scratch: torch.Tensor | None = None
+        self._decoder = DeltaDecoder()
+
+    def receive(self, group: WeightGroup, buffers: Buffers, plan: Mapping[str, Any],
+                version: int, timeout: float | None, hook: ChunkHook | None = None) -> None:
+        """Take the stream of ``version`` (``plan``: its ``id`` and the ``base`` id it is
+        encoded against) into ``buffers``, verify every chunk, and make it the base;
+        IntegrityError naming the chunks that do not match (the base is kept)."""
+        pg = _pg(group)
+        pieces = _chunks(bucket_buffers(self.layout, buffers))
+        usable = plan.get("base") is not None and plan.get("base") == self.base_id
+        bases = (_chunks(bucket_buffers(self.layout, self.base))
+                 if usable and self.base is not None else None)
+        header = torch.zeros(3, dtype=torch.int64)
+        bad: list[tuple[int, str]] = []
+        for index, piece in enumerate(pieces):
+            _wait(pg.recv([header], 0, 2 * index), timeout)
+            kind, size, want = (int(v) for v in header.tolist())
+            why = self._take_chunk(pg, index, kind, size, piece, bases, timeout)
+            if why is None:
+                if hook is not None:
+                    hook([piece])
+                if _signed(wire_checksum(piece)) != want:
+                    why = "its checksum differs from the sender's"
+            if why is not None:
+                bad.append((index, why))
+        if bad:
+            first, why = bad[0]
+            raise IntegrityError(
+                f"worker {self.worker_idx}: version {version} rebuilt from "
+                f"{'deltas' if usable else 'whole chunks'} does not match the sender: "
+                f"{len(bad)} chunk(s) of {len(pieces)} refused (first: chunk {first}, {why}); "
+                "no worker takes it, and this node gets it whole")
+        self._remember(buffers, str(plan["id"]))
+
+    def _take_chunk(self, pg: Any, index: int, kind: int, size: int, piece: torch.Tensor,
+                    bases: Sequence[torch.Tensor] | None,
+                    timeout: float | None) -> str | None:
+        """Receive chunk ``index``'s payload and rebuild it into ``piece``; why not, if
+        it cannot be (the payload is still drained, so the stream stays in step)."""
+        if kind == WHOLE and size == piece.numel():
+            _wait(pg.recv([piece], 0, 2 * index + 1), timeout)
+            return None
+        payload = self._payload(size)
+        if size:
+            _wait(pg.recv([payload], 0, 2 * index + 1), timeout)
+        if kind not in (DELTA, SAME):
+            return f"unknown chunk kind {kind} of {size} bytes"
+        if bases is None:
+            return "this node does not hold the version it is a delta of"
+        try:
+            self._decoder.decode(kind, payload, bases[index], piece)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _payload(self, size: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(max(size, 1), dtype=torch.uint8)
+        return self._scratch[:size]
+
+    def _remember(self, buffers: Buffers, snapshot_id: str) -> None:
+        if self.base is None:
+            self.base = self.layout.allocate()
+        for device, buffer in buffers.items():
+            self.base[device].copy_(buffer)
+        self.base_id = snapshot_id
+
+    def forget(self) -> None:
+        """Drop the base (its memory too): the next version comes whole."""
+        self.base = self.base_id = None
