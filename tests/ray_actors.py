@@ -139,3 +139,64 @@ class TiedCollector(RayWeightReceiverMixin):
         embed, head = self.model["embed"].weight, self.model["head"].weight
         return (self.weightsync_receiver.version, float(embed[0, 0]), float(head[0, 0]),
                 embed.data_ptr() == head.data_ptr())
+
+
+def tiny_transformer(vocab: int = 8192, width: int = 256, dtype=torch.float32) -> torch.nn.Module:
+    """A transformer-ish model (embedding, two encoder layers, an output head): ~5.3M
+    parameters, so its bf16 version spans two of the Ray transport's 8 MB chunks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(vocab, width),
+        torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True),
+            num_layers=2, enable_nested_tensor=False),
+        torch.nn.Linear(width, vocab),
+    )
+    return model.to(dtype)
+
+
+def digest(weights) -> str:
+    """sha256 of every tensor's bytes, in name order: equal only if every word is."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].detach().contiguous()
+        h.update(name.encode())
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@ray.remote(num_cpus=0)
+class DeltaCollector(RayWeightReceiverMixin):
+    """Holds a bf16 (or ``dtype``) tiny_transformer, as an inference actor would."""
+
+    def __init__(self, scheme, idx, dtype=torch.bfloat16):
+        torch.set_num_threads(1)
+        self.model = tiny_transformer(dtype=dtype)
+        with torch.no_grad():
+            for t in self.model.state_dict().values():
+                t.zero_()  # nothing in common with the trainer until a version arrives
+        self.weightsync_setup(scheme, idx, self.model)
+
+    def state(self):
+        """(version held, digest of the model's weights) after poll()."""
+        self.weightsync_receiver.poll()
+        return self.weightsync_receiver.version, digest(self.model.state_dict())
+
+    def path(self):
+        return self.weightsync_receiver.path
+
+    def corrupt_next_delta(self):
+        """Flip one byte of the next delta chunk this actor rebuilds (once), before it is
+        verified against the sender's checksum."""
+        from weightsync.transports.ray import delta_stream
+
+        original = delta_stream.DeltaDecoder.decode
+
+        def decode(decoder, kind, payload, base, out):
+            original(decoder, kind, payload, base, out)
+            out[out.numel() // 2] ^= 0x10
+            delta_stream.DeltaDecoder.decode = original  # once
+
+        delta_stream.DeltaDecoder.decode = decode
