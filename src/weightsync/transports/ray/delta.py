@@ -5,8 +5,9 @@ A chunk goes as one of three kinds. ``SAME``: no byte changed, nothing crosses. 
 the XOR of the new chunk with the base chunk (zero wherever a word is unchanged, as most
 are after one optimizer step at RL learning rates once cast to bf16), compressed with zstd
 level 1, which squeezes long zero runs at ~1 GB/s. ``WHOLE``: the chunk itself, when more
-than :data:`MAX_CHANGED` of its bytes changed (compressing would cost time for little) or
-the compressed delta would not be smaller. The receiver XORs the delta back onto its base;
+than :data:`MAX_CHANGED` of its 32-bit words changed (fp32 after any step, bf16 after a
+large one: compressing would cost more time than it saves) or the compressed delta would
+not be smaller. The receiver XORs the delta back onto its base;
 the result is verified against the sender's checksum of the new chunk (``delta_stream``).
 """
 
@@ -20,7 +21,7 @@ import torch
 #: chunk kinds, as they travel in each chunk's header
 WHOLE, DELTA, SAME = 0, 1, 2
 KIND_NAMES = {WHOLE: "whole", DELTA: "delta", SAME: "same"}
-#: above this fraction of changed bytes a chunk goes whole without trying to compress
+#: above this fraction of changed 32-bit words a chunk goes whole without compressing
 MAX_CHANGED = 0.5
 #: zstd level: 1 is the fastest that still finds the zero runs (negative levels lose 20-60%)
 ZSTD_LEVEL = 1
@@ -58,6 +59,16 @@ def _bytes(tensor: torch.Tensor) -> Any:
     return memoryview(tensor.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
+def _changed_fraction(xor: torch.Tensor) -> float:
+    """The fraction of nonzero 32-bit words of an XOR (bytes, if they do not line up)."""
+    words = xor.numel() // 4 * 4
+    if words and xor.data_ptr() % 4 == 0:
+        changed = int(torch.count_nonzero(xor[:words].view(torch.int32)))
+        changed += int(torch.count_nonzero(xor[words:]))
+        return changed / (words // 4 + xor.numel() - words)
+    return int(torch.count_nonzero(xor)) / max(xor.numel(), 1)
+
+
 def _readonly(raw: bytes) -> torch.Tensor:
     """A uint8 tensor over ``raw`` without a copy (only ever read)."""
     with warnings.catch_warnings():
@@ -81,10 +92,10 @@ class DeltaEncoder:
             self._scratch = torch.empty(n, dtype=torch.uint8)
         xor = self._scratch[:n]
         _xor(new, base, xor)
-        changed = int(torch.count_nonzero(xor))
+        changed = _changed_fraction(xor)
         if changed == 0:
             return SAME, new[:0]
-        if changed > MAX_CHANGED * n:
+        if changed > MAX_CHANGED:
             return WHOLE, new
         packed = self._compressor.compress(_bytes(xor))
         if len(packed) >= n:
