@@ -17,7 +17,9 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 Buffers = dict[str, torch.Tensor]
 #: test hook: called with each rebuilt chunk ([chunk]) before it is verified
 ChunkHook = Callable[[list[torch.Tensor]], None]
+#: threads that encode chunks ahead of the one on the wire (zstd and torch release the GIL)
+ENCODE_THREADS = 2
+_Encoded = tuple[int, int, dict[str | None, tuple[int, torch.Tensor]]]
 
 
 def _signed(value: int) -> int:
@@ -90,7 +95,8 @@ class DeltaSender:
     bases: dict[int, tuple[Any, str]] = field(default_factory=dict)  # worker -> (handle, id)
     _spare: Buffers | None = None
     _count: int = 0
-    _encoder: DeltaEncoder = field(default_factory=DeltaEncoder)
+    _local: threading.local = field(default_factory=threading.local)  # one encoder a thread
+    _pool: ThreadPoolExecutor | None = None
 
     def next_buffers(self) -> Buffers:
         """Buffers to pack the next version into (never the newest snapshot's)."""
@@ -122,26 +128,39 @@ class DeltaSender:
         else:
             self.bases[worker_idx] = (handle, snapshot_id)
 
+    def _encode(self, index: int, piece: torch.Tensor, base: torch.Tensor | None,
+                base_id: str | None) -> _Encoded:
+        """Chunk ``index``: its checksum and its encodings (whole, and against ``base``)."""
+        encoded: dict[str | None, tuple[int, torch.Tensor]] = {None: (WHOLE, piece)}
+        if base is not None:
+            encoder = getattr(self._local, "encoder", None)
+            if encoder is None:
+                encoder = self._local.encoder = DeltaEncoder()
+            encoded[base_id] = encoder.encode(piece, base)
+        return index, _signed(wire_checksum(piece)), encoded
+
     def send(self, group: WeightGroup, targets: Mapping[int, str | None],
              timeout: float | None) -> WireFigures:
         """Send the newest snapshot to each rank of ``targets`` (rank -> base id, None for
-        whole chunks); each chunk is encoded once (for all ranks with the same base) while
-        the ones before it are on the wire."""
+        whole chunks); each chunk is encoded once (for all ranks with the same base), on
+        ``ENCODE_THREADS`` threads ahead of the chunk on the wire."""
         assert self.latest is not None
         pg, figures = _pg(group), WireFigures()
         pieces = _chunks(bucket_buffers(self.layout, self.latest.buffers))
+        base_id = self.previous.id if self.previous is not None else None
         bases = (_chunks(bucket_buffers(self.layout, self.previous.buffers))
-                 if self.previous is not None else None)
+                 if self.previous is not None and base_id in targets.values() else None)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="weightsync-delta")
+        futures: list[Future[_Encoded]] = [
+            self._pool.submit(self._encode, i, piece, None if bases is None else bases[i], base_id)
+            for i, piece in enumerate(pieces)]
         works: list[Any] = []
         alive: list[torch.Tensor] = []  # payloads and headers, until their sends complete
-        for index, piece in enumerate(pieces):
-            checksum = _signed(wire_checksum(piece))
-            encoded: dict[str | None, tuple[int, torch.Tensor]] = {None: (WHOLE, piece)}
+        for future in futures:
+            index, checksum, encoded = future.result()
             for rank, base in targets.items():
-                if base not in encoded:
-                    assert bases is not None and self.previous is not None
-                    encoded[base] = self._encoder.encode(piece, bases[index])
-                kind, payload = encoded[base]
+                kind, payload = encoded[base if base in encoded else None]
                 header = torch.tensor([kind, payload.numel(), checksum], dtype=torch.int64)
                 alive += [header, payload]
                 works.append(pg.send([header], rank, 2 * index))
@@ -154,6 +173,11 @@ class DeltaSender:
             _wait(work, timeout)
         return figures
 
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
 
 class DeltaReceiver:
     """A node's side (the actor that takes the node's stream): its base, the last version
@@ -164,7 +188,7 @@ class DeltaReceiver:
         self.worker_idx = worker_idx
         self.base: Buffers | None = None
         self.base_id: str | None = None
-        self._scratch: torch.Tensor | None = None
+        self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._decoder = DeltaDecoder()
 
     def receive(self, group: WeightGroup, buffers: Buffers, plan: Mapping[str, Any],
@@ -177,19 +201,32 @@ class DeltaReceiver:
         usable = plan.get("base") is not None and plan.get("base") == self.base_id
         bases = (_chunks(bucket_buffers(self.layout, self.base))
                  if usable and self.base is not None else None)
-        header = torch.zeros(3, dtype=torch.int64)
+        headers = torch.zeros(len(pieces), 3, dtype=torch.int64)
+        heads = [pg.recv([headers[i]], 0, 2 * i) for i in range(len(pieces))]  # all posted
         bad: list[tuple[int, str]] = []
-        for index, piece in enumerate(pieces):
-            _wait(pg.recv([header], 0, 2 * index), timeout)
-            kind, size, want = (int(v) for v in header.tolist())
-            why = self._take_chunk(pg, index, kind, size, piece, bases, timeout)
-            if why is None:
-                if hook is not None:
-                    hook([piece])
-                if _signed(wire_checksum(piece)) != want:
-                    why = "its checksum differs from the sender's"
-            if why is not None:
-                bad.append((index, why))
+        pending: tuple[int, int, Any, torch.Tensor, int] | None = None
+        for index in range(len(pieces) + 1):
+            arriving = None
+            if index < len(pieces):  # post chunk index's payload, then rebuild the one before
+                _wait(heads[index], timeout)
+                kind, size, want = (int(v) for v in headers[index].tolist())
+                target = (pieces[index] if kind == WHOLE and size == pieces[index].numel()
+                          else self._payload(index % 2, size))
+                work = pg.recv([target], 0, 2 * index + 1) if size else None
+                arriving = (index, kind, work, target, want)
+            if pending is not None:
+                done, kind, work, payload, want = pending
+                if work is not None:
+                    _wait(work, timeout)
+                why = self._rebuild(done, kind, payload, pieces[done], bases)
+                if why is None:
+                    if hook is not None:
+                        hook([pieces[done]])
+                    if _signed(wire_checksum(pieces[done])) != want:
+                        why = "its checksum differs from the sender's"
+                if why is not None:
+                    bad.append((done, why))
+            pending = arriving
         if bad:
             first, why = bad[0]
             raise IntegrityError(
@@ -199,19 +236,14 @@ class DeltaReceiver:
                 "no worker takes it, and this node gets it whole")
         self._remember(buffers, str(plan["id"]))
 
-    def _take_chunk(self, pg: Any, index: int, kind: int, size: int, piece: torch.Tensor,
-                    bases: Sequence[torch.Tensor] | None,
-                    timeout: float | None) -> str | None:
-        """Receive chunk ``index``'s payload and rebuild it into ``piece``; why not, if
-        it cannot be (the payload is still drained, so the stream stays in step)."""
-        if kind == WHOLE and size == piece.numel():
-            _wait(pg.recv([piece], 0, 2 * index + 1), timeout)
+    def _rebuild(self, index: int, kind: int, payload: torch.Tensor, piece: torch.Tensor,
+                 bases: Sequence[torch.Tensor] | None) -> str | None:
+        """Rebuild chunk ``index`` into ``piece`` from what arrived (``payload``: the chunk
+        itself when whole); why not, if it cannot be."""
+        if payload.data_ptr() == piece.data_ptr() and kind == WHOLE:
             return None
-        payload = self._payload(size)
-        if size:
-            _wait(pg.recv([payload], 0, 2 * index + 1), timeout)
         if kind not in (DELTA, SAME):
-            return f"unknown chunk kind {kind} of {size} bytes"
+            return f"unknown chunk kind {kind} of {payload.numel()} bytes"
         if bases is None:
             return "this node does not hold the version it is a delta of"
         try:
@@ -220,10 +252,13 @@ class DeltaReceiver:
             return str(exc)
         return None
 
-    def _payload(self, size: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < size:
-            self._scratch = torch.empty(max(size, 1), dtype=torch.uint8)
-        return self._scratch[:size]
+    def _payload(self, slot: int, size: int) -> torch.Tensor:
+        """Scratch ``slot`` (two: one is rebuilt from while the other arrives), ``size``
+        bytes."""
+        scratch = self._scratch[slot]
+        if scratch.numel() < size:
+            scratch = self._scratch[slot] = torch.empty(size, dtype=torch.uint8)
+        return scratch[:size]
 
     def _remember(self, buffers: Buffers, snapshot_id: str) -> None:
         if self.base is None:

@@ -380,6 +380,8 @@ class RayWriter:
         return {w: self._versions.get(w, NO_VERSION) for w in sorted(self.members.connected)}
 
     def close(self) -> None:
+        if self._delta is not None:
+            self._delta.close()
         self.members.close()
         if self.local is not None:
             self.local.close()  # actors that mapped its segments keep them until they close
