@@ -1,0 +1,255 @@
+"""A real two-host Ray cluster on one machine: two network namespaces joined by a veth pair
+(the multihost tests and ``weightsync bench --transports ray-delta`` build it).
+
+Host A (10.213.0.1) runs the Ray head, host B (10.213.0.2) a worker node; the test process
+joins A's namespace (``setns`` on its main thread, so every thread Ray starts lives there)
+and connects as the driver. Traffic stays between the two namespaces this module made;
+teardown kills every process in them, deletes the veth pair and both namespaces, also when
+a test failed. Needs root (``CAP_NET_ADMIN``); :func:`unavailable_reason` says why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ADDRESS_A = "10.213.0.1"
+ADDRESS_B = "10.213.0.2"
+PREFIX = 24
+GCS_PORT = 6380
+CLONE_NEWNET = 0x40000000
+VENV_BIN = Path(sys.executable).parent
+
+# Slow the GCS's verdict on a silent node, so that a link cut of a few seconds (the tests
+# cut it for less than 20 s) does not make Ray declare host B dead.
+HEAD_ENV = {"RAY_health_check_failure_threshold": "20", "RAY_health_check_period_ms": "2000",
+            "RAY_health_check_timeout_ms": "4000", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _run(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def _setns(path: str | int) -> None:
+    """Move the calling thread into the network namespace at ``path`` (or an open fd)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY) if isinstance(path, str) else path
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns: {os.strerror(err)}")
+    finally:
+        if isinstance(path, str):
+            os.close(fd)
+
+
+def unavailable_reason() -> str | None:
+    """Why a two-host cluster cannot be built here (None if it can)."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (ip netns)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip` command"
+    if not (VENV_BIN / "ray").exists():
+        return "needs the `ray` command next to the Python running the tests"
+    probe = f"wsprobe{os.getpid()}"
+    try:
+        _run("ip", "netns", "add", probe, timeout=10)
+    except (subprocess.SubprocessError, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        return f"`ip netns add` failed: {str(detail).strip()}"
+    _run("ip", "netns", "del", probe, timeout=10, check=False)
+    return None
+
+
+@dataclass
+class TwoHostCluster:
+    """Names and handles of the cluster; ``start()``/``stop()`` build and remove it."""
+
+    tests_dir: str
+    tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
+    temp_dir: str = ""
+    node_a: str = ""  # Ray node ids
+    node_b: str = ""
+    _home_ns: int = -1
+    _saved_auth_mode: str | None = None
+
+    @property
+    def ns_a(self) -> str:
+        return f"wsmh{self.tag}a"
+
+    @property
+    def ns_b(self) -> str:
+        return f"wsmh{self.tag}b"
+
+    @property
+    def veth_a(self) -> str:
+        return f"wsv{self.tag}a"
+
+    @property
+    def veth_b(self) -> str:
+        return f"wsv{self.tag}b"
+
+    @property
+    def address(self) -> str:
+        return f"{ADDRESS_A}:{GCS_PORT}"
+
+    # ------------------------------------------------------------------ network
+    def _network_up(self) -> None:
+        a, b = self.ns_a, self.ns_b
+        _run("ip", "netns", "add", a)
+        _run("ip", "netns", "add", b)
+        _run("ip", "link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
+        _run("ip", "link", "set", self.veth_a, "netns", a)
+        _run("ip", "link", "set", self.veth_b, "netns", b)
+        _run("ip", "-n", a, "addr", "add", f"{ADDRESS_A}/{PREFIX}", "dev", self.veth_a)
+        _run("ip", "-n", b, "addr", "add", f"{ADDRESS_B}/{PREFIX}", "dev", self.veth_b)
+        for ns, dev in ((a, self.veth_a), (b, self.veth_b)):
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+
+    def cut_link(self) -> None:
+        """Take the link between the hosts down (both ends lose carrier)."""
+        _run("ip", "-n", self.ns_a, "link", "set", self.veth_a, "down")
+
+    def restore_link(self) -> None:
+        _run("ip", "-n", self.ns_a, "link", "set", self.veth_a, "up")
+        _run("ip", "-n", self.ns_b, "link", "set", self.veth_b, "up")
+
+    # ------------------------------------------------------------------ ray
+    def _python_path(self) -> str:
+        """``tests_dir`` (the tests' directory, or any directory actors import from), then
+        the caller's PYTHONPATH: actors must import the weightsync under test."""
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return os.pathsep.join([self.tests_dir, *inherited])
+
+    def _ray_start(self, ns: str, *args: str, env: dict[str, str] | None = None) -> None:
+        cmd = ["ip", "netns", "exec", ns, str(VENV_BIN / "ray"), "start", "--num-cpus=1",
+               "--object-store-memory=80000000", "--disable-usage-stats", *args]
+        run_env = os.environ | {"PYTHONPATH": self._python_path(), "RAY_USAGE_STATS_ENABLED": "0",
+                                "RAY_AUTH_MODE": "token"}  # Ray's token (~/.ray/auth_token)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              env=run_env | (env or {}))
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ray start` in {ns} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+    def start(self) -> None:
+        import ray
+
+        self.temp_dir = tempfile.mkdtemp(prefix="wsmh")
+        self._network_up()
+        self._ray_start(self.ns_a, "--head", f"--node-ip-address={ADDRESS_A}",
+                        f"--port={GCS_PORT}", "--include-dashboard=false",
+                        f"--temp-dir={self.temp_dir}", env=HEAD_ENV)
+        self._ray_start(self.ns_b, f"--address={self.address}", f"--node-ip-address={ADDRESS_B}")
+        self._saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "token"  # the cluster's nodes run with it
+        _refresh_ray_config()
+        self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
+        _setns(f"/run/netns/{self.ns_a}")  # the driver lives on host A
+        ray.init(address=self.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": self._python_path()}})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            if ADDRESS_A in nodes and ADDRESS_B in nodes:
+                self.node_a, self.node_b = nodes[ADDRESS_A], nodes[ADDRESS_B]
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"host B never joined the cluster: {ray.nodes()}")
+
+    def on(self, node: str) -> dict[str, object]:
+        """Actor options that place it on ``node`` ("a", "b" or a node id)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = {"a": self.node_a, "b": self.node_b}.get(node, node)
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+    def pids(self) -> list[int]:
+        """Processes in either namespace, this one excepted."""
+        pids: set[int] = set()
+        for ns in (self.ns_a, self.ns_b):
+            out = _run("ip", "netns", "pids", ns, check=False, timeout=10).stdout
+            pids.update(int(p) for p in out.split())
+        pids.discard(os.getpid())
+        return sorted(pids)
+
+    def stop(self) -> None:
+        """Remove everything ``start`` made, whatever state it is in."""
+        with contextlib.suppress(Exception):
+            import ray
+
+            ray.shutdown()
+        if self._saved_auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = self._saved_auth_mode
+        _refresh_ray_config()
+        if self._home_ns >= 0:
+            _setns(self._home_ns)
+            os.close(self._home_ns)
+            self._home_ns = -1
+        self._kill(self.pids())
+        _run("ip", "-n", self.ns_a, "link", "del", self.veth_a, check=False)
+        _run("ip", "link", "del", self.veth_a, check=False)
+        for ns in (self.ns_a, self.ns_b):
+            _run("ip", "netns", "del", ns, check=False)
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    @staticmethod
+    def _kill(pids: list[int]) -> None:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            end = time.monotonic() + wait
+            while time.monotonic() < end and any(_alive(p) for p in pids):
+                time.sleep(0.1)
+
+    def leftovers(self) -> list[str]:
+        """What is still there after ``stop``: namespaces, links, live processes."""
+        out = []
+        listed = _run("ip", "netns", "list", check=False).stdout
+        out += [f"netns {ns}" for ns in (self.ns_a, self.ns_b) if ns in listed]
+        links = _run("ip", "-o", "link", check=False).stdout
+        out += [f"link {dev}" for dev in (self.veth_a, self.veth_b) if dev in links]
+        mine = _run("pgrep", "-f", self.temp_dir or "/nonexistent", check=False).stdout.split()
+        out += [f"process {p}" for p in mine if _alive(int(p))]
+        return out
+
+
+def _refresh_ray_config() -> None:
+    """Make this process's Ray read ``RAY_AUTH_MODE`` again (it caches its config)."""
+    from ray._raylet import Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+
+
+def _alive(pid: int) -> bool:
+    """True unless the process is gone or a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def two_host_cluster(tests_dir: str) -> Iterator[TwoHostCluster]:
+    cluster = TwoHostCluster(tests_dir)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
