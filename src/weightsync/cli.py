@@ -22,7 +22,7 @@ Run 'weightsync demo --help' or 'weightsync bench --help' for their options."""
 
 #: what each command needs beyond the core, as (module, extra) pairs
 DEMO_NEEDS = [("gymnasium", "demo"), ("rich", "demo"), ("matplotlib", "demo")]
-TRANSPORT_NEEDS = {"ray": [("ray", "ray")]}
+TRANSPORT_NEEDS = {"ray": [("ray", "ray")], "ray-delta": [("ray", "ray"), ("zstandard", "delta")]}
 
 #: exit status for a missing extra (as argparse uses for a usage error) and after Ctrl-C
 EXIT_MISSING_EXTRA = 2
@@ -189,10 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "every worker's model holds the version, beside one memcpy of the "
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
-                       choices=["shm", "mp", "ray", "file", "sharded"],
+                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta"],
                        help="transports to time (ray only if installed; sharded: an FSDP2 "
                        "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
-                       "baseline, with 2 zero-copy workers)")
+                       "baseline, with 2 zero-copy workers; ray-delta: full vs delta=True "
+                       "bf16 sends to a second host, two network namespaces this command "
+                       "builds, root only)")
     bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
                        metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
     bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],

@@ -48,10 +48,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     total = len(args.sizes) * (len(args.workers) * (len(local) - ("shm" in local) + modes
                                                     + 2 * ("ray" in args.transports))
                                + 2 * ("file" in args.transports)
-                               + ("sharded" in args.transports))
+                               + ("sharded" in args.transports)
+                               + 2 * (len(args.workers) + 1) * ("ray-delta" in args.transports))
     progress, stop = _progress(total)
     notes: list[str] = []
     rows: list[BenchRow] = []
+    tables: list[str] = []
     try:
         if local:
             rows += run_bench(local, args.sizes, args.workers, args.repeats, progress,
@@ -74,9 +76,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
             for size, nbytes in args.sizes:
                 rows += run_sharded_bench(size, nbytes, args.repeats, progress,
                                           world=args.trainer_ranks)
+        if "ray-delta" in args.transports:
+            from weightsync.bench.ray_delta import run_delta_bench
+
+            for size, nbytes in args.sizes:
+                delta_rows, table = run_delta_bench(size, nbytes, args.workers, args.repeats,
+                                                    progress)
+                rows += delta_rows
+                tables.append(f"Delta updates across hosts, {size} fp32 sent as bf16:\n{table}")
     finally:
         stop()
     print(format_table(rows))
+    for table in tables:
+        print(f"\n{table}")
     for note in notes:
         print(f"note: {note}")
     if args.json:
