@@ -146,6 +146,8 @@ class DeltaSender:
         ``ENCODE_THREADS`` threads ahead of the chunk on the wire."""
         assert self.latest is not None
         pg, figures = _pg(group), WireFigures()
+        if not targets:
+            return figures
         pieces = _chunks(bucket_buffers(self.layout, self.latest.buffers))
         base_id = self.previous.id if self.previous is not None else None
         bases = (_chunks(bucket_buffers(self.layout, self.previous.buffers))
