@@ -190,6 +190,7 @@ class DeltaReceiver:
         self.worker_idx = worker_idx
         self.base: Buffers | None = None
         self.base_id: str | None = None
+        self._copying: threading.Thread | None = None  # the base being updated
         self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._decoder = DeltaDecoder()
 
@@ -199,6 +200,7 @@ class DeltaReceiver:
         encoded against) into ``buffers``, verify every chunk, and make it the base;
         IntegrityError naming the chunks that do not match (the base is kept)."""
         pg = _pg(group)
+        self._settle()
         pieces = _chunks(bucket_buffers(self.layout, buffers))
         usable = plan.get("base") is not None and plan.get("base") == self.base_id
         bases = (_chunks(bucket_buffers(self.layout, self.base))
@@ -263,12 +265,28 @@ class DeltaReceiver:
         return scratch[:size]
 
     def _remember(self, buffers: Buffers, snapshot_id: str) -> None:
+        """Make the verified ``buffers`` the base: copied on a thread, off the answer to
+        the sender and the actor's apply (the next stream waits for it; ``buffers``, a
+        staging buffer, is not refilled before then)."""
         if self.base is None:
             self.base = self.layout.allocate()
-        for device, buffer in buffers.items():
-            self.base[device].copy_(buffer)
+        base = self.base
+
+        def copy() -> None:
+            for device, buffer in buffers.items():
+                base[device].copy_(buffer)
+
+        self._copying = threading.Thread(target=copy, name="weightsync-delta-base", daemon=True)
+        self._copying.start()
         self.base_id = snapshot_id
+
+    def _settle(self) -> None:
+        """Wait until the base is updated."""
+        if self._copying is not None:
+            self._copying.join()
+            self._copying = None
 
     def forget(self) -> None:
         """Drop the base (its memory too): the next version comes whole."""
+        self._settle()
         self.base = self.base_id = None
