@@ -22,7 +22,7 @@ from weightsync.units import format_duration
 
 BF16 = torch.bfloat16
 #: the "realistic" RL step (AdamW at lr 1e-6..1e-5) and one that changes every word
-SMALL_LR, LARGE_LR = 3e-6, 1e-2
+SMALL_LR, LARGE_LR = 2e-6, 1e-2
 
 
 @dataclass
