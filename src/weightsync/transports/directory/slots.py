@@ -160,7 +160,11 @@ _PIECE_BYTES = 4 << 20  # small enough that a piece is still in cache when it is
 
 
 def _word_sum(raw: torch.Tensor) -> int:
-    """Wrapping sum of the int64 words of ``raw`` (a uint8 tensor, length a multiple of 8)."""
+    """Wrapping sum of the int64 words of ``raw`` (a uint8 tensor, length a multiple of 8);
+    a bucket that does not start on an 8-byte boundary (after an odd-sized 4-byte bucket)
+    is copied first, as torch views bytes as int64 only at aligned offsets."""
+    if raw.numel() and raw.storage_offset() % 8:
+        raw = raw.clone()
     return int(raw.view(torch.int64).sum()) if raw.numel() else 0
 
 
