@@ -26,6 +26,8 @@ from weightsync.schemes.sender import WeightSender
 from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_mode
 from weightsync.transports.directory.manifest import Commit
 from weightsync.transports.directory.reader import DirectoryReader, Loader, check_layout_matches
+from weightsync.transports.directory.sharded import ShardedMemberWriter, check_rank
+from weightsync.transports.directory.sharded_lead import ShardedLeadWriter
 from weightsync.transports.directory.writer import DirectoryWriter
 
 logger = logging.getLogger(__name__)
@@ -44,9 +46,12 @@ class DirectoryConfig:
     durable: bool
     poll_interval: float
     mode: int
+    trainer_ranks: int = 1
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
+        if type(self.trainer_ranks) is not int or self.trainer_ranks < 1:
+            raise ValueError(f"trainer_ranks must be an int >= 1, got {self.trainer_ranks!r}")
         if self.dtype is not None and not (
             isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
         ):
@@ -69,6 +74,9 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     ``mode``: permissions of the files created (default 0o600: only this user reads the
     weights; 0o640 shares them read-only with the directory's group, 0o660 lets group members
     run the workers).
+    ``trainer_ranks``: the number of ranks of a sharded trainer (FSDP2, DTensor tensor
+    parallel, ``LocalShard`` blocks); each rank calls ``create_sender(rank=r)`` and writes
+    its own shards into the slot, rank 0 commits (``docs/sharded.md``). Workers are unchanged.
     """
 
     def __init__(
@@ -82,11 +90,12 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
         poll_interval: float = 0.005,
         mode: int = DEFAULT_FILE_MODE,
         strategy: WeightStrategy | None = None,
+        trainer_ranks: int = 1,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
         # absolute: the scheme is pickled to workers whose working directory may differ
         self.config = DirectoryConfig(Path(directory).absolute(), num_workers, dtype, bool(durable),
-                                      poll_interval, mode)
+                                      poll_interval, mode, trainer_ranks)
 
     directory = property(lambda self: self.config.directory)
     num_workers = property(lambda self: self.config.num_workers)
@@ -94,9 +103,13 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     durable = property(lambda self: self.config.durable)
     poll_interval = property(lambda self: self.config.poll_interval)
     mode = property(lambda self: self.config.mode)
+    trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
-    def create_sender(self) -> VLLMDoubleBufferWeightSender:
-        return VLLMDoubleBufferWeightSender(self)
+    def create_sender(self, rank: int = 0) -> VLLMDoubleBufferWeightSender:
+        """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; 0 for an unsharded
+        trainer)."""
+        check_rank(rank, self.config.trainer_ranks)
+        return VLLMDoubleBufferWeightSender(self, rank)
 
     def create_receiver(self, worker_idx: int = 0) -> VLLMDoubleBufferWeightReceiver:
         return VLLMDoubleBufferWeightReceiver(self, worker_idx)
@@ -105,13 +118,26 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
 class VLLMDoubleBufferWeightSender(WeightSender):
     """Writes each version into a free slot, then commits it with an atomic manifest."""
 
-    def __init__(self, scheme: VLLMDoubleBufferSyncScheme) -> None:
+    def __init__(self, scheme: VLLMDoubleBufferSyncScheme, rank: int = 0) -> None:
         c = scheme.config
-        writer = DirectoryWriter(c.directory, c.num_workers, dtype=c.dtype, durable=c.durable,
-                                 mode=c.mode, poll_interval=c.poll_interval)
+        check_rank(rank, c.trainer_ranks)
+        writer: DirectoryWriter | ShardedMemberWriter
+        if c.trainer_ranks == 1:
+            writer = DirectoryWriter(c.directory, c.num_workers, dtype=c.dtype, durable=c.durable,
+                                     mode=c.mode, poll_interval=c.poll_interval)
+        elif rank == 0:
+            writer = ShardedLeadWriter(c.directory, c.num_workers, ranks=c.trainer_ranks,
+                                       dtype=c.dtype, durable=c.durable, mode=c.mode,
+                                       poll_interval=c.poll_interval)
+        else:
+            writer = ShardedMemberWriter(c.directory, c.num_workers, rank=rank,
+                                         ranks=c.trainer_ranks, dtype=c.dtype, durable=c.durable,
+                                         mode=c.mode, poll_interval=c.poll_interval)
         super().__init__(scheme, writer, c.num_workers, resumed_version=writer.published)
         self.scheme: VLLMDoubleBufferSyncScheme = scheme
         self.directory = c.directory
+        #: this sender's trainer rank (0 unless the scheme has ``trainer_ranks > 1``)
+        self.rank = rank
 
     def update_weights(self, weights: Any = None) -> int:
         """Write ``weights`` (default: the registered model's) as the next version and

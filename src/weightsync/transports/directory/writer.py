@@ -180,7 +180,7 @@ class DirectoryWriter:
         t0 = time.perf_counter()
         index, slot = self._acquire_slot(deadline)
         try:  # the lock is held until the commit drops the slot's old record from the manifest
-            checksums = pack_with_checksums(slot.layout, weights, slot.data)
+            checksums = self._fill(index, slot, weights, deadline)
             phases["write"] = time.perf_counter() - t0
             if self.durable:
                 t1 = time.perf_counter()
@@ -196,6 +196,12 @@ class DirectoryWriter:
             slot.unlock()
         self.published = version
         return Published(version, self._layout.nbytes, phases)
+
+    def _fill(self, index: int, slot: SlotFile, weights: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> list[int]:
+        """Write the next version into ``slot`` (number ``index``, locked) and return its
+        bucket checksums; a sharded trainer's rank 0 has the other ranks write too."""
+        return pack_with_checksums(slot.layout, weights, slot.data)
 
     def _next_manifest(
         self, entry: Commit, checksums: list[int], ids: list[int], everyone: bool
@@ -216,45 +222,10 @@ class DirectoryWriter:
     # ------------------------------------------------------------------ acks
     def wait_acks(self, version: int, worker_ids: list[int], deadline: Deadline,
                   held: dict[int, int]) -> None:
-        """Block until every worker of ``worker_ids`` acknowledged ``version`` (``held`` gets
-        each worker's acknowledged version as it is read).
-
-        A worker whose ack names a dead process is lost if it acked a version of this sender;
-        an ack left from before this sender started means "not connected yet", and that
-        worker is waited for until the deadline. The pid is judged only when the ack was
-        written in this process's pid namespace on this boot of this host (its ``pidns``):
-        a worker in another container is waited for until the deadline instead."""
-        while True:
-            slow, lost, stale = [], [], {}
-            for w in worker_ids:
-                ack = read_ack(self.directory, w)
-                held[w] = NO_VERSION if ack is None else ack.version
-                if ack is not None and ack.version >= version:
-                    continue
-                if ack is not None and judged_by_pid(ack.scope) and process_dying(ack.pid):
-                    if ack.version > self.recovered_version:
-                        lost.append(w)
-                        continue
-                    stale[w] = ack
-                slow.append(w)
-            if lost:
-                raise WorkerLostError(
-                    f"worker(s) {lost} died before taking version {version} (their ack files in "
-                    f"{self.directory} name a dead process of this host and pid namespace)",
-                    worker_ids=lost, version=version,
-                )
-            if not slow:
-                return
-            if deadline.expired():
-                detail = "".join(
-                    f"; worker {w}'s last ack (version {a.version}) is from pid {a.pid}, which is "
-                    "gone: it has not restarted" for w, a in stale.items()
-                )
-                raise WeightSyncTimeoutError(
-                    f"worker(s) {slow} did not acknowledge version {version} in {self.directory} "
-                    f"within {deadline}{detail}", worker_ids=slow,
-                )
-            time.sleep(deadline.slice(self.poll_interval))
+        """Block until every worker of ``worker_ids`` acknowledged ``version``
+        (:func:`wait_for_acks`)."""
+        wait_for_acks(self.directory, version, worker_ids, deadline, held,
+                      recovered_version=self.recovered_version, poll_interval=self.poll_interval)
 
     # ------------------------------------------------------------------ as the scheme's writer
     needs_acks = True
@@ -286,3 +257,46 @@ class DirectoryWriter:
     def close(self) -> None:
         close_slots(self._slots)
         self._lock.release()
+
+
+def wait_for_acks(directory: Path, version: int, worker_ids: list[int], deadline: Deadline,
+                  held: dict[int, int], *, recovered_version: int, poll_interval: float) -> None:
+    """Block until every worker of ``worker_ids`` acknowledged ``version`` (``held`` gets
+    each worker's acknowledged version as it is read).
+
+    A worker whose ack names a dead process is lost if it acked a version of this sender;
+    an ack left from before this sender started (``recovered_version`` or older) means "not
+    connected yet", and that worker is waited for until the deadline. The pid is judged only when the ack was
+    written in this process's pid namespace on this boot of this host (its ``pidns``):
+    a worker in another container is waited for until the deadline instead."""
+    while True:
+        slow, lost, stale = [], [], {}
+        for w in worker_ids:
+            ack = read_ack(directory, w)
+            held[w] = NO_VERSION if ack is None else ack.version
+            if ack is not None and ack.version >= version:
+                continue
+            if ack is not None and judged_by_pid(ack.scope) and process_dying(ack.pid):
+                if ack.version > recovered_version:
+                    lost.append(w)
+                    continue
+                stale[w] = ack
+            slow.append(w)
+        if lost:
+            raise WorkerLostError(
+                f"worker(s) {lost} died before taking version {version} (their ack files in "
+                f"{directory} name a dead process of this host and pid namespace)",
+                worker_ids=lost, version=version,
+            )
+        if not slow:
+            return
+        if deadline.expired():
+            detail = "".join(
+                f"; worker {w}'s last ack (version {a.version}) is from pid {a.pid}, which is "
+                "gone: it has not restarted" for w, a in stale.items()
+            )
+            raise WeightSyncTimeoutError(
+                f"worker(s) {slow} did not acknowledge version {version} in {directory} "
+                f"within {deadline}{detail}", worker_ids=slow,
+            )
+        time.sleep(deadline.slice(poll_interval))
