@@ -90,7 +90,8 @@ def _install_fault(rank: int, fault: dict[str, Any]) -> None:
     original = sharded.after_part_written
 
     def hook(r: int, version: int) -> None:
-        if version == fault["version"]:
+        if version == fault["version"] and not fault.get("fired"):
+            fault["fired"] = True
             os.kill(os.getpid(), signal.SIGKILL if fault["how"] == "kill" else signal.SIGSTOP)
         original(r, version)
 
@@ -102,9 +103,9 @@ def local_shard_rank(rank: int, world: int, directory: Path, steps: int,
     """Send ``steps`` versions of :func:`local_model`; rank 0 checks a reader after each.
     With ``fault``, a failed send is recorded and retried (the same step) until it works."""
     _install_fault(rank, fault or {})
-    send_timeout = (fault or {}).get("send_timeout", timeout)
+    fault = fault or {}
     scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
-                                           timeout=send_timeout)
+                                           timeout=timeout)
     model = local_model(0, rank, world)
     report: dict[str, Any] = {"versions": [], "errors": []}
     reader = _reader(directory) if rank == 0 else None
@@ -116,7 +117,10 @@ def local_shard_rank(rank: int, world: int, directory: Path, steps: int,
             _fill(model, step, rank, world)
             t0 = time.monotonic()
             try:
-                version = sender.update_weights()  # no wait for the reader (it is in rank 0)
+                # no wait for the reader (it is in rank 0); the faulty version: a short deadline
+                version = sender.update_weights(timeout=fault.get("send_timeout", timeout)
+                                                if step == fault.get("version")
+                                                and not report["errors"] else timeout)
             except (ws.TrainerRankLostError, ws.WeightSyncTimeoutError) as exc:
                 report["errors"].append((type(exc).__name__, getattr(exc, "rank", None), str(exc),
                                          round(time.monotonic() - t0, 2), step))

@@ -139,11 +139,13 @@ class VLLMDoubleBufferWeightSender(WeightSender):
         #: this sender's trainer rank (0 unless the scheme has ``trainer_ranks > 1``)
         self.rank = rank
 
-    def update_weights(self, weights: Any = None) -> int:
+    def update_weights(self, weights: Any = None, timeout: float | None = None) -> int:
         """Write ``weights`` (default: the registered model's) as the next version and
         commit it; returns at once, without waiting for any worker: an engine often applies a
-        version only when the training loop calls it, so waiting here could deadlock."""
-        deadline = self._deadline(None)
+        version only when the training loop calls it, so waiting here could deadlock.
+        ``timeout`` (default: the scheme's) bounds the call (a sharded trainer's ranks wait
+        for each other within it)."""
+        deadline = self._deadline(timeout)
         self._check_open()
         self._start_writer(deadline)
         waiting = self._pending  # a send_async() whose acks wait_async() still collects
