@@ -16,6 +16,7 @@ ARGS = {
     "ray_actors.py": ["--steps", "3"],
     "torchrl_tear_check.py": ["--updates", "5"],
     "torchrl_llm.py": ["--steps", "2"],  # exits 0 with a message without vllm
+    "fsdp_trainer.py": ["--steps", "3"],
 }
 NEEDS = {"torchrl_tear_check.py": "torchrl", "torchrl_llm.py": "torchrl"}
 
