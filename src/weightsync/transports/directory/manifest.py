@@ -288,8 +288,19 @@ os.register_at_fork(after_in_child=SenderLock._held_here.clear)
 def sender_alive(directory: Path) -> bool:
     """True if some process holds the sender lock of ``directory`` (this one included): a
     lock we cannot take is held, across pid namespaces too."""
+    path = directory / SENDER_LOCK
+    if SenderLock._held_here:
+        # decided without opening the file: closing any descriptor of a file drops every
+        # POSIX lock this process holds on it, the sender's own (a reader in the trainer's
+        # process, or a sharded rank 0 checking itself, would release it)
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if (info.st_dev, info.st_ino) in SenderLock._held_here.values():
+            return True
     try:
-        fd = open_regular(directory / SENDER_LOCK, os.O_RDONLY)
+        fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:

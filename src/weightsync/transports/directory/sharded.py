@@ -194,8 +194,13 @@ class ShardedMemberWriter:
         return {}
 
     def _wait_pending(self, nonce: str, version: int, deadline: Deadline) -> Pending:
-        """Rank 0's record of ``version`` (or newer) naming this rank's incarnation."""
+        """Rank 0's record of ``version`` (or newer) naming this rank's incarnation. A
+        version already committed is never written again (this rank gave up on it, its
+        deadline passed, and rank 0 committed it after all): the next one is."""
         while True:
+            manifest = self._manifests.read()
+            if manifest is not None and manifest.latest.version >= version:
+                version = manifest.latest.version + 1
             pending = self.files.pending()
             if pending is not None and pending.nonces.get(self.rank) == nonce \
                     and pending.version >= version and pending.attempt not in self._raised:
