@@ -59,7 +59,9 @@ def trainer(rank: int, world: int, scheme: ws.VLLMDoubleBufferSyncScheme, port: 
             t0 = time.perf_counter()
             version = sender.send(timeout=30)
             took = time.perf_counter() - t0
-            full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # check only
+            # check only: the gathered model, as numpy arrays (a queue would share a tensor's
+            # memory with the receiving process, and this one may exit first)
+            full = {n: p.full_tensor().detach().numpy() for n, p in model.state_dict().items()}
             if rank == 0:
                 print(f"trainer: step {step} loss {loss.item():.4f} -> version {version} "
                       f"({took * 1e3:.1f} ms, {world} ranks wrote their shards)", flush=True)
@@ -76,7 +78,7 @@ def reader(scheme: ws.VLLMDoubleBufferSyncScheme, steps: int, out: Any) -> None:
         version = receiver.receive(timeout=30)
         if version is None:
             raise TimeoutError("no new version within 30 s")
-        out.put(("reader", version, {k: v.clone() for k, v in model.state_dict().items()}))
+        out.put(("reader", version, {k: v.numpy().copy() for k, v in model.state_dict().items()}))
     receiver.close()
 
 
@@ -96,7 +98,7 @@ def main() -> int:
     procs += [ctx.Process(target=trainer, args=(r, 2, scheme, port, args.steps, out)) for r in range(2)]
     for p in procs:
         p.start()
-    seen: dict[str, dict[int, dict[str, torch.Tensor]]] = {"trainer": {}, "reader": {}}
+    seen: dict[str, dict[int, dict[str, Any]]] = {"trainer": {}, "reader": {}}
     ok = True
     deadline = time.monotonic() + 120
     try:
@@ -117,7 +119,7 @@ def main() -> int:
                 except queue.Empty:
                     continue
             read = seen["reader"].get(version)
-            same = read is not None and all(torch.equal(read[k], t) for k, t in gathered.items())
+            same = read is not None and all((read[k] == t).all() for k, t in gathered.items())
             ok &= same
             print(f"check: version {version}: reader == gathered model: {'OK' if same else 'MISMATCH'}")
         for p in procs:

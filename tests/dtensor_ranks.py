@@ -152,8 +152,8 @@ def fsdp_llama_rank(rank: int, world: int, directory: Path, port: int,
                             param.copy_(distribute_tensor(full[name].detach(), param.device_mesh,
                                                           param.placements))
                 sender.update_weights()
-            gathered = {n: t.full_tensor() if hasattr(t, "full_tensor") else t
-                        for n, t in model.state_dict().items()}
+            gathered = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy()
+                        for n, t in model.state_dict().items()}  # numpy: pickled by value
         return gathered if rank == 0 else None
     finally:
         dist.destroy_process_group()

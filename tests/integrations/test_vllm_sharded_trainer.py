@@ -24,7 +24,7 @@ def test_fsdp2_trainer_feeds_a_vllm_engine(served, directory: Path):
     for step in (1, 2):
         vm.perturb(expected, step)
     plain = vm.build_model()
-    plain.load_state_dict(gathered)
+    plain.load_state_dict({n: torch.from_numpy(a) for n, a in gathered.items()})
     for name, tensor in expected.state_dict().items():
         assert torch.equal(plain.state_dict()[name], tensor), name
     llm.init_weight_transfer_engine({"init_info": {"directory": str(directory)}})
