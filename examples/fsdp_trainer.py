@@ -1,7 +1,7 @@
-"""A 2-rank FSDP2 trainer (CPU, gloo) syncing to a reader process through a directory, with
-no gather: each rank writes its own shards, rank 0 commits the version.
+"""A 2-rank FSDP2 trainer (CPU, gloo) syncing to a reader process through a directory (or
+shared memory), with no gather: each rank writes its own shards, rank 0 commits the version.
 
-    python examples/fsdp_trainer.py [--steps 5]
+    python examples/fsdp_trainer.py [--steps 5] [--scheme directory|shm]
 
 Each step trains the sharded model once, then every rank calls ``sender.send()``; the reader
 (any process that sees the directory: a vLLM engine, an eval job) applies whole tensors. For
@@ -31,8 +31,10 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 257), nn.LayerNorm(257), nn.ReLU(), nn.Linear(257, 10))
 
 
-def trainer(rank: int, world: int, scheme: ws.VLLMDoubleBufferSyncScheme, port: int, steps: int,
-            out: Any) -> None:
+Scheme = ws.VLLMDoubleBufferSyncScheme | ws.SharedMemWeightSyncScheme
+
+
+def trainer(rank: int, world: int, scheme: Scheme, port: int, steps: int, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -69,7 +71,7 @@ def trainer(rank: int, world: int, scheme: ws.VLLMDoubleBufferSyncScheme, port: 
     dist.destroy_process_group()
 
 
-def reader(scheme: ws.VLLMDoubleBufferSyncScheme, steps: int, out: Any) -> None:
+def reader(scheme: Scheme, steps: int, out: Any) -> None:
     model = make_model()
     receiver = scheme.create_receiver(worker_idx=0)
     receiver.register_model(model)
@@ -85,10 +87,17 @@ def reader(scheme: ws.VLLMDoubleBufferSyncScheme, steps: int, out: Any) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--scheme", choices=["directory", "shm"], default="directory",
+                        help="directory: a reader on any host that sees it (vLLM); shm: "
+                        "SharedMem, workers on the trainer's host")
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="weightsync-example-fsdp-",
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=2)
+    scheme: Scheme
+    if args.scheme == "shm":
+        scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
+    else:
+        scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=2)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -111,15 +120,19 @@ def main() -> int:
                     return 1
                 continue
             seen[who][version] = state
+        while args.steps not in seen["reader"] and time.monotonic() < deadline:
+            try:
+                who, v, state = out.get(timeout=1)
+                seen[who][v] = state
+            except queue.Empty:
+                continue
+        ok &= args.steps in seen["reader"]
         for version, gathered in sorted(seen["trainer"].items()):
-            while version not in seen["reader"] and time.monotonic() < deadline:
-                try:
-                    who, v, state = out.get(timeout=1)
-                    seen[who][v] = state
-                except queue.Empty:
-                    continue
             read = seen["reader"].get(version)
-            same = read is not None and all((read[k] == t).all() for k, t in gathered.items())
+            if read is None:  # SharedMem does not wait for the reader: it took a newer one
+                print(f"check: version {version}: skipped by the reader (it took a newer one)")
+                continue
+            same = all((read[k] == t).all() for k, t in gathered.items())
             ok &= same
             print(f"check: version {version}: reader == gathered model: {'OK' if same else 'MISMATCH'}")
         for p in procs:

@@ -35,6 +35,15 @@ def test_example_runs(script: Path) -> None:
     assert _leftovers() - before == set(), "the example left these behind"
 
 
+@pytest.mark.slow
+def test_the_fsdp_example_over_shared_memory() -> None:
+    script = Path(__file__).parent.parent / "examples" / "fsdp_trainer.py"
+    result = subprocess.run([sys.executable, str(script), "--steps", "3", "--scheme", "shm"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "all checks passed" in result.stdout
+
+
 def _leftovers() -> set[str]:
     shm = Path("/dev/shm")
     return {p.name for p in shm.glob("weightsync-example-*")} if shm.is_dir() else set()
