@@ -146,3 +146,33 @@ def wrong_layout_rank(rank: int, world: int, directory: Path, wrong: str) -> Non
     with scheme.create_sender(rank=rank) as sender:
         sender.register_model(local_model(0, rank, world, wrong=wrong if rank == 1 else ""))
         sender.update_weights()
+
+
+def racing_rank(rank: int, world: int, directory: Path, steps: int) -> list[int]:
+    """Send ``steps`` versions of :func:`local_model` as fast as the others let it (no wait
+    for readers): version n is the model of step n."""
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
+                                           timeout=60)
+    model = local_model(0, rank, world)
+    versions = []
+    with scheme.create_sender(rank=rank) as sender:
+        sender.register_model(model)
+        for step in range(sender.version + 1, steps):
+            _fill(model, step, rank, world)
+            versions.append(sender.update_weights())
+    return versions
+
+
+def hammering_reader(rank: int, world: int, directory: Path, last: int) -> list[int]:
+    """Apply every version it can until ``last``; each must be exactly its step's model."""
+    receiver, local = _reader(directory)
+    receiver.connect(timeout=60)
+    seen = [receiver.version]
+    while receiver.version < last:
+        version = receiver.receive(timeout=60)
+        assert version is not None, f"no version after {receiver.version} within 60 s"
+        for name, expected in global_weights(version).items():
+            assert torch.equal(local[name], expected), (name, version)
+        seen.append(version)
+    receiver.close()
+    return seen

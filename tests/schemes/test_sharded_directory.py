@@ -10,9 +10,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from directory_ranks import local_shard_rank, wrong_layout_rank
+from directory_ranks import hammering_reader, local_shard_rank, racing_rank, wrong_layout_rank
 from dtensor_ranks import fsdp_rank, tp_rank
-from sharded_ranks import free_port, run_ranks
+from sharded_ranks import RankGroup, free_port, run_ranks
 
 import weightsync as ws
 from weightsync.transports.directory.manifest import MANIFEST
@@ -73,3 +73,24 @@ def test_layout_disagreement_is_refused_before_any_byte(directory, wrong, match)
     import re
     assert all(re.search(match, o.error) for o in outcomes), [o.error for o in outcomes]
     assert not (directory / MANIFEST).exists()
+
+
+def test_tear_free_while_ranks_send_as_fast_as_they_can(directory):
+    """Ranks race through 30 versions without waiting for the reader; a reader in its own
+    process applies what it can, and every version it holds is exactly that step's model."""
+    steps, world = 30, 2
+    group = RankGroup()
+    try:
+        for rank in range(world):
+            group.start(racing_rank, rank, world, directory, steps)
+        reader = RankGroup()
+        try:
+            reader.start(hammering_reader, 0, 1, directory, steps - 1)
+            seen = _all_ok(reader.collect(120))[0]
+        finally:
+            reader.kill_all()
+        versions = _all_ok(group.collect(120))
+    finally:
+        group.kill_all()
+    assert all(v == list(range(steps)) for v in versions), versions
+    assert seen[-1] == steps - 1 and seen == sorted(set(seen)), seen
