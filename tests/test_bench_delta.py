@@ -25,3 +25,22 @@ def test_delta_table_compares_each_delta_with_its_full_send():
 def test_bench_offers_ray_delta():
     args = build_parser().parse_args(["bench", "--transports", "ray-delta", "--sizes", "400MB"])
     assert args.transports == ["ray-delta"]
+
+
+def test_link_rate_is_parsed_and_checked_before_any_cluster():
+    import pytest
+
+    from weightsync.bench.multihost import link_burst_bytes, parse_link_rate
+
+    assert parse_link_rate("10gbit") == 10**10
+    assert parse_link_rate("1Gbit") == 10**9
+    assert parse_link_rate("500mbit") == 5 * 10**8
+    assert link_burst_bytes("10gbit") == 12_500_000  # 10 ms of traffic
+    assert link_burst_bytes("1mbit") == 64 * 1024  # never below one GSO packet
+    with pytest.raises(ValueError, match="link rate"):
+        parse_link_rate("10 gigs")
+    args = build_parser().parse_args(["bench", "--transports", "ray-delta", "--link-rate", "1gbit"])
+    assert args.link_rate == "1gbit"
+    assert build_parser().parse_args(["bench"]).link_rate is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--link-rate", "fast"])

@@ -49,6 +49,17 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _link_rate(text: str) -> str:
+    """A tc link rate (``10gbit``), checked here so that a typo fails before a cluster."""
+    from weightsync.bench.multihost import parse_link_rate
+
+    try:
+        parse_link_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _size(text: str) -> str:
     try:
         parse_size(text)
@@ -211,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a directory on local disk (file transport)")
     bench.add_argument("--trainer-ranks", type=_positive_int, default=2,
                        help="FSDP2 ranks of the sharded trainer (sharded transport)")
+    bench.add_argument("--link-rate", type=_link_rate, default=None, metavar="RATE",
+                       help="ray-delta only: cap the link between the two hosts at RATE "
+                       "(tc syntax: 10gbit, 1gbit, 500mbit; default: uncapped, memory speed)")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)

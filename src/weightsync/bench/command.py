@@ -81,9 +81,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
             for size, nbytes in args.sizes:
                 delta_rows, table = run_delta_bench(size, nbytes, args.workers, args.repeats,
-                                                    progress)
+                                                    progress, link_rate=args.link_rate)
                 rows += delta_rows
-                tables.append(f"Delta updates across hosts, {size} fp32 sent as bf16:\n{table}")
+                link = f", link capped at {args.link_rate}" if args.link_rate else ""
+                tables.append(f"Delta updates across hosts, {size} fp32 sent as bf16{link}:"
+                              f"\n{table}")
     finally:
         stop()
     print(format_table(rows))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,20 @@ class TwoHostCluster:
         for ns, dev in ((a, self.veth_a), (b, self.veth_b)):
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", ns, "link", "set", dev, "up")
+
+    def shape_link(self, rate: str) -> None:
+        """Cap both directions of the veth pair at ``rate`` (tc syntax: ``10gbit``,
+        ``1gbit``) with a token bucket on each end's egress, so that the bench sees a
+        datacenter link instead of the memory-speed veth. ``unshape_link`` removes it."""
+        burst = link_burst_bytes(rate)
+        for ns, dev in ((self.ns_a, self.veth_a), (self.ns_b, self.veth_b)):
+            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                 "burst", str(burst), "latency", "100ms")
+
+    def unshape_link(self) -> None:
+        """Remove what ``shape_link`` added (nothing if it was never shaped)."""
+        for ns, dev in ((self.ns_a, self.veth_a), (self.ns_b, self.veth_b)):
+            _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
 
     def cut_link(self) -> None:
         """Take the link between the hosts down (both ends lose carrier)."""
@@ -227,6 +242,28 @@ class TwoHostCluster:
         mine = _run("pgrep", "-f", self.temp_dir or "/nonexistent", check=False).stdout.split()
         out += [f"process {p}" for p in mine if _alive(int(p))]
         return out
+
+
+#: tc's rate units, in bits per second
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_link_rate(rate: str) -> int:
+    """Bits per second of a tc rate such as ``10gbit`` or ``500mbit``; ValueError if the
+    text is not one (checked before any cluster is built)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?bit)", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"{rate!r} is not a link rate such as 10gbit, 1gbit or 500mbit")
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if bits <= 0:
+        raise ValueError(f"link rate {rate!r} must be positive")
+    return int(bits)
+
+
+def link_burst_bytes(rate: str) -> int:
+    """The token bucket's size for ``rate``: 10 ms of traffic (at least 64 KiB), enough for
+    the kernel's timer resolution and the veth's 64 KiB GSO packets at any rate."""
+    return max(parse_link_rate(rate) // 8 // 100, 64 * 1024)
 
 
 def _refresh_ray_config() -> None:

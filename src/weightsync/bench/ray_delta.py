@@ -126,12 +126,17 @@ def _run_case(cluster: Any, case: DeltaCase, nbytes: int, repeats: int, lr: floa
 
 def run_delta_bench(
     size: str, nbytes: int, actor_counts: Sequence[int], repeats: int,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, link_rate: str | None = None,
 ) -> tuple[list[BenchRow], str]:
     """Rows (until every actor on host B held the version, against one memcpy of the bf16
     version) and the delta table, for full and delta sends of a small AdamW step and of an
-    everything-changed one, with each number of actors on the other host."""
-    from weightsync.bench.multihost import two_host_cluster, unavailable_reason
+    everything-changed one, with each number of actors on the other host. ``link_rate``
+    (tc syntax, ``10gbit``) caps the link between the hosts, which otherwise runs at
+    memory speed: what a delta saves only shows on a link slower than its codec."""
+    from weightsync.bench.multihost import parse_link_rate, two_host_cluster, unavailable_reason
+
+    if link_rate is not None:
+        parse_link_rate(link_rate)  # a typo fails before the cluster is built
 
     reason = unavailable_reason()
     if reason is not None:
@@ -139,6 +144,8 @@ def run_delta_bench(
     package_dir = str(Path(__file__).resolve().parents[2])  # actors import this weightsync
     cases = []
     with two_host_cluster(package_dir) as cluster:
+        if link_rate is not None:
+            cluster.shape_link(link_rate)
         for update, lr in ((f"AdamW lr={SMALL_LR:g}", SMALL_LR), ("everything changed", LARGE_LR)):
             counts = actor_counts if lr == SMALL_LR else actor_counts[:1]
             for n in counts:
@@ -148,9 +155,12 @@ def run_delta_bench(
                     case = DeltaCase(mode, update, n)
                     _run_case(cluster, case, nbytes, repeats, lr)
                     cases.append(case)
+        if link_rate is not None:
+            cluster.unshape_link()
     bf16_bytes = nbytes // 2
     floor = memcpy_floor(bf16_bytes)
-    rows = [make_row(f"ray {c.mode} bf16 ({c.update}) until held on host B", size, bf16_bytes,
+    link = f", link {link_rate}" if link_rate else ""
+    rows = [make_row(f"ray {c.mode} bf16 ({c.update}{link}) until held on host B", size, bf16_bytes,
                      c.actors, c.times, floor) for c in cases]
     return rows, delta_table(cases, bf16_bytes, floor)
 
