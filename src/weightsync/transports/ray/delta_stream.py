@@ -27,7 +27,7 @@ import torch
 
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
-from weightsync.transports.ray.delta import DELTA, SAME, WHOLE, DeltaDecoder, DeltaEncoder
+from weightsync.transports.ray.delta import DELTA, SAME, SPARSE, WHOLE, DeltaDecoder, DeltaEncoder
 from weightsync.transports.ray.group import WeightGroup, _chunks, bucket_buffers, wire_checksum
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class DeltaReceiver:
         itself when whole); why not, if it cannot be."""
         if payload.data_ptr() == piece.data_ptr() and kind == WHOLE:
             return None
-        if kind not in (DELTA, SAME):
+        if kind not in (DELTA, SAME, SPARSE):
             return f"unknown chunk kind {kind} of {payload.numel()} bytes"
         if bases is None:
             return "this node does not hold the version it is a delta of"
