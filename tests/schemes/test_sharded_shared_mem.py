@@ -4,6 +4,7 @@ gathered model after every send."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import pytest
@@ -68,3 +69,17 @@ def test_workers_hold_the_gathered_model_after_every_send(world, how):
         for receiver in receivers:
             receiver.close()
         ranks.close()
+
+
+def test_create_sender_checks_the_rank():
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
+    assert pickle.loads(pickle.dumps(scheme)).trainer_ranks == 2
+    for bad in (2, -1, "0", True):
+        with pytest.raises(ValueError, match=r"rank must be an int in 0\.\.1"):
+            scheme.create_sender(rank=bad)
+    with pytest.raises(ValueError, match=r"pass create_sender\(rank=r\)"):
+        scheme.create_sender()  # no process group here to take the rank from
+    with pytest.raises(ValueError, match="trainer_ranks"):
+        ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=0)
+    with pytest.raises(ValueError, match=r"0\.\.0"):
+        ws.SharedMemWeightSyncScheme(num_workers=1).create_sender(rank=1)

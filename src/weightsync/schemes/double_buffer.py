@@ -21,6 +21,7 @@ from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
+from weightsync.schemes.ranks import trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_mode
@@ -105,11 +106,10 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     mode = property(lambda self: self.config.mode)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
-    def create_sender(self, rank: int = 0) -> VLLMDoubleBufferWeightSender:
-        """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; 0 for an unsharded
-        trainer)."""
-        check_rank(rank, self.config.trainer_ranks)
-        return VLLMDoubleBufferWeightSender(self, rank)
+    def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
+        """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an
+        unsharded trainer, else this process's torch.distributed rank)."""
+        return VLLMDoubleBufferWeightSender(self, trainer_rank(rank, self.config.trainer_ranks))
 
     def create_receiver(self, worker_idx: int = 0) -> VLLMDoubleBufferWeightReceiver:
         return VLLMDoubleBufferWeightReceiver(self, worker_idx)

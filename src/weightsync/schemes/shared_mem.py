@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.local import LocalScheme, SameHostConfig
+from weightsync.schemes.ranks import trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.shm.endpoints import SharedMemReader, SharedMemWriter
@@ -16,24 +17,6 @@ from weightsync.transports.shm.slots import MAX_SLOTS, MAX_WORKERS
 #: the most trainer ranks one scheme takes (each holds a connection and a slot mapping)
 MAX_TRAINER_RANKS = 1024
 
-
-def trainer_rank(rank: int | None, trainer_ranks: int) -> int:
-    """The rank a sender is created for: ``rank``, else the process group's rank when
-    torch.distributed is initialised (a sharded trainer), else 0."""
-    if rank is None:
-        if trainer_ranks == 1:
-            return 0
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"trainer_ranks={trainer_ranks}: pass create_sender(rank=r), the "
-                             "rank of this trainer process in 0..trainer_ranks-1")
-        rank = dist.get_rank()
-    rank = checked_int(rank, "rank", 0)
-    if rank >= trainer_ranks:
-        raise ValueError(f"rank {rank} is out of range: the scheme has "
-                         f"trainer_ranks={trainer_ranks} (ranks 0..{trainer_ranks - 1})")
-    return rank
 
 
 @dataclass(frozen=True)
