@@ -33,6 +33,7 @@ from weightsync.transports.directory.manifest import (
     sender_alive,
     slot_path,
 )
+from weightsync.transports.directory.slots import current_slot
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +88,10 @@ class DirectoryReader:
 
     def _slot(self, index: int) -> SlotFile:
         """The mapped slot ``index``, reopened if the file was replaced since."""
-        path = slot_path(self.directory, index)
-        slot = self._slots.get(index)
-        try:
-            inode = os.lstat(path).st_ino
-        except FileNotFoundError as exc:
-            raise IntegrityError(f"the manifest names {path}, which does not exist") from exc
-        if slot is None or slot.inode != inode:
-            if slot is not None:
-                slot.close()
-                del self._slots[index]
-            slot = SlotFile.open(path)
-            self._slots[index] = slot
-            if self._pin:
-                slot.register_with_cuda()
+        slot, opened = current_slot(self._slots, slot_path(self.directory, index), index,
+                                    writable=False, named_by="the manifest")
+        if opened and self._pin:
+            slot.register_with_cuda()
         return slot
 
     @contextlib.contextmanager

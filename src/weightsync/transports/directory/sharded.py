@@ -72,6 +72,7 @@ from weightsync.transports.directory.ranks import (
     make_hello,
     rank_path,
 )
+from weightsync.transports.directory.slots import current_slot
 from weightsync.transports.directory.writer import wait_for_acks
 
 logger = logging.getLogger(__name__)
@@ -258,17 +259,8 @@ class ShardedMemberWriter:
 
     def _slot(self, index: int) -> SlotFile:
         """Slot ``index`` mapped writable, reopened if rank 0 replaced the file since."""
-        path = slot_path(self.directory, index)
-        slot = self._slots.get(index)
-        try:
-            inode = os.lstat(path).st_ino
-        except FileNotFoundError as exc:
-            raise IntegrityError(f"pending.json names {path}, which does not exist") from exc
-        if slot is None or slot.inode != inode:
-            if slot is not None:
-                slot.close()
-            slot = self._slots[index] = SlotFile.open(path, writable=True)
-        return slot
+        return current_slot(self._slots, slot_path(self.directory, index), index,
+                            writable=True, named_by="pending.json")[0]
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
         return {}

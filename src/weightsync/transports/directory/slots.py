@@ -329,3 +329,22 @@ def close_slots(slots: dict[int, SlotFile]) -> None:
     for slot in slots.values():
         slot.close()
     slots.clear()
+
+
+def current_slot(slots: dict[int, SlotFile], path: Path, index: int, *, writable: bool,
+                 named_by: str) -> tuple[SlotFile, bool]:
+    """Slot ``index`` at ``path`` from ``slots``, (re)opened if the file was replaced since
+    (a new inode); returns it and whether it was opened now. ``named_by``: what named the
+    path, for the error when it is gone."""
+    slot = slots.get(index)
+    try:
+        inode = os.lstat(path).st_ino
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{named_by} names {path}, which does not exist") from exc
+    if slot is not None and slot.inode == inode:
+        return slot, False
+    if slot is not None:
+        slot.close()
+        del slots[index]
+    slot = slots[index] = SlotFile.open(path, writable=writable)
+    return slot, True

@@ -162,12 +162,7 @@ class RayReader:
             try:
                 staging.fill(version, write, keep)
             except RuntimeError as exc:
-                failure = WeightSyncError(
-                    f"worker {self.worker_idx}: version {version} did not arrive ({exc}); the "
-                    f"sender or the network to it failed. Keeping version {held}.")
-                if keep:
-                    self._failure = failure
-                raise failure from exc
+                raise self._did_not_arrive(version, held, exc, keep) from exc
         if keep:
             self._failure = None
         with self._arrived:
@@ -221,13 +216,19 @@ class RayReader:
                 raise
             return str(exc)
         except RuntimeError as exc:
-            failure = WeightSyncError(
-                f"worker {self.worker_idx}: version {version} did not arrive ({exc}); the "
-                f"sender or the network to it failed. Keeping version {held}.")
-            if keep:
-                self._failure = failure
-            raise failure from exc
+            raise self._did_not_arrive(version, held, exc, keep) from exc
         return None
+
+    def _did_not_arrive(self, version: int, held: int, exc: BaseException,
+                        keep: bool) -> WeightSyncError:
+        """The error of a version the group failed to bring (kept for the next poll()
+        when ``keep``)."""
+        failure = WeightSyncError(
+            f"worker {self.worker_idx}: version {version} did not arrive ({exc}); the "
+            f"sender or the network to it failed. Keeping version {held}.")
+        if keep:
+            self._failure = failure
+        return failure
 
     def _relay_version(self, relay: NodeLocalSender, buffers: Buffers, followers: list[int],
                        version: int, timeout: float | None, checked: bool) -> list[int] | None:
