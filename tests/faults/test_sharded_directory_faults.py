@@ -35,8 +35,10 @@ def _wait(predicate, timeout, what):
 
 
 def _failed(directory):
+    """Rank 0 gave up on an attempt: the failed attempt's record, or (it retries at once)
+    the next attempt's, which still names the last failure."""
     obj = read_json_object(directory / PENDING)
-    return obj is not None and Pending.from_json(obj, directory / PENDING).failed
+    return obj is not None and Pending.from_json(obj, directory / PENDING).failure is not None
 
 
 def test_killed_rank_fails_the_version_and_a_restarted_rank_joins(directory):

@@ -235,7 +235,13 @@ class ShardedMemberWriter:
                 raise TrainerRankLostError(
                     f"trainer rank 0 abandoned version {pending.version} (attempt "
                     f"{pending.attempt}) without committing it", rank=0)
-            self._check_rank0()
+            try:
+                self._check_rank0()
+            except TrainerRankLostError:  # rank 0 may have committed it just before leaving
+                manifest = self._manifests.read()
+                if manifest is not None and manifest.latest.version >= pending.version:
+                    return
+                raise
             if deadline.expired():
                 missing = [r for r in range(1, self.ranks) if (done := self.files.done(r)) is None
                            or done.attempt != pending.attempt]
