@@ -12,7 +12,7 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("zstandard")
 
-from multihost import TwoHostCluster, two_host_cluster, unavailable_reason  # noqa: E402
+from multihost import TwoHostCluster, cluster_for_module  # noqa: E402
 from ray_actors import digest, tiny_transformer  # noqa: E402
 
 import weightsync as ws  # noqa: E402
@@ -24,14 +24,7 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"two-host cluster unavailable: {reason}")
-    if ray.is_initialized():
-        ray.shutdown()  # a Ray instance left by another module: this one needs its own
-    with two_host_cluster(TESTS_DIR) as made:
-        yield made
-    assert made.leftovers() == [], made.leftovers()
+    yield from cluster_for_module(TESTS_DIR)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from multihost import TwoHostCluster, two_host_cluster, unavailable_reason  # noqa: E402
+from multihost import TwoHostCluster, cluster_for_module  # noqa: E402
 from workers import checksum, fill_all, make_model  # noqa: E402
 
 import weightsync as ws  # noqa: E402
@@ -22,14 +22,7 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"two-host cluster unavailable: {reason}")
-    if ray.is_initialized():
-        ray.shutdown()  # a Ray instance left by another module: this one needs its own
-    with two_host_cluster(TESTS_DIR) as made:
-        yield made
-    assert made.leftovers() == [], made.leftovers()
+    yield from cluster_for_module(TESTS_DIR)
 
 
 @pytest.fixture
