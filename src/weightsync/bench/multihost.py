@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -82,7 +83,7 @@ class TwoHostCluster:
     node_a: str = ""  # Ray node ids
     node_b: str = ""
     _home_ns: int = -1
-    _saved_auth_mode: str | None = None
+    _saved_env: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def ns_a(self) -> str:
@@ -151,24 +152,34 @@ class TwoHostCluster:
         cmd = ["ip", "netns", "exec", ns, str(VENV_BIN / "ray"), "start", "--num-cpus=1",
                "--object-store-memory=80000000", "--disable-usage-stats", *args]
         run_env = os.environ | {"PYTHONPATH": self._python_path(), "RAY_USAGE_STATS_ENABLED": "0",
-                                "RAY_AUTH_MODE": "token"}  # Ray's token (~/.ray/auth_token)
+                                "RAY_AUTH_MODE": "token", **self._token_env()}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                               env=run_env | (env or {}))
         if proc.returncode != 0:
             raise RuntimeError(f"`ray start` in {ns} failed ({proc.returncode}):\n"
                                f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
+    def _token_env(self) -> dict[str, str]:
+        """Where the cluster's own Ray token is (unless the caller set ``RAY_AUTH_TOKEN``,
+        which every node then inherits): a fresh machine has no ``~/.ray/auth_token``."""
+        if os.environ.get("RAY_AUTH_TOKEN"):
+            return {}
+        return {"RAY_AUTH_TOKEN_PATH": os.path.join(self.temp_dir, "auth_token")}
+
     def start(self) -> None:
         import ray
 
         self.temp_dir = tempfile.mkdtemp(prefix="wsmh")
+        token_path = os.path.join(self.temp_dir, "auth_token")
+        with open(os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
         self._network_up()
         self._ray_start(self.ns_a, "--head", f"--node-ip-address={ADDRESS_A}",
                         f"--port={GCS_PORT}", "--include-dashboard=false",
                         f"--temp-dir={self.temp_dir}", env=HEAD_ENV)
         self._ray_start(self.ns_b, f"--address={self.address}", f"--node-ip-address={ADDRESS_B}")
-        self._saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
-        os.environ["RAY_AUTH_MODE"] = "token"  # the cluster's nodes run with it
+        self._saved_env = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+        os.environ.update({"RAY_AUTH_MODE": "token", **self._token_env()})  # as the nodes run
         _refresh_ray_config()
         self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
         _setns(f"/run/netns/{self.ns_a}")  # the driver lives on host A
@@ -205,10 +216,11 @@ class TwoHostCluster:
             import ray
 
             ray.shutdown()
-        if self._saved_auth_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = self._saved_auth_mode
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         _refresh_ray_config()
         if self._home_ns >= 0:
             _setns(self._home_ns)
@@ -267,10 +279,12 @@ def link_burst_bytes(rate: str) -> int:
 
 
 def _refresh_ray_config() -> None:
-    """Make this process's Ray read ``RAY_AUTH_MODE`` again (it caches its config)."""
-    from ray._raylet import Config  # type: ignore[attr-defined]
+    """Make this process's Ray read ``RAY_AUTH_MODE`` and the token again (it caches both:
+    each cluster has its own token)."""
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _alive(pid: int) -> bool:
