@@ -490,7 +490,16 @@ def test_streamed_pack_fills_each_chunk_as_pack_would(monkeypatch):
     for index, chunk in reversed(list(enumerate(chunks))):  # any order: each is its own
         fill(index, chunk)
     assert all(torch.equal(got[d], expected[d]) for d in expected)
-    assert not can_stream(layout, flat | {"a": flat["a"].double()})
+    assert not can_stream(layout, flat | {"b": flat["b"].double()})  # no cast into integers
+    # the scheme's dtype: floating-point tensors cast chunk by chunk, as pack casts them
+    cast = layout.with_dtype(torch.bfloat16)
+    assert can_stream(cast, flat)
+    expected, got = cast.allocate(), cast.allocate()
+    cast.pack(flat, expected)
+    fill = streamed_pack(cast, flat, got)
+    for index, chunk in enumerate(ray_group._chunks(ray_group.bucket_buffers(cast, got))):
+        fill(index, chunk)
+    assert all(torch.equal(got[d], expected[d]) for d in expected)
 
 
 def test_poll_with_nothing_newer_returns_none_at_once(actors, node_local):

@@ -8,8 +8,9 @@ previous change and the XOR of the new word with the base word, each as a LEB128
 mantissa bits, so both usually fit one byte: ~2 bytes a change, zstd's size, written in one
 pass over the chunk.
 
-The pass runs as a numba kernel (``nogil``: the encode threads run side by side) when numba
-is installed; without it the sender keeps to zstd (``delta.py``) and the receiver decodes
+The passes run as numba kernels (``nogil``: the encode threads run side by side; the
+encoder is ``delta_kernels.encode_blocks``, which skips unchanged words without a branch per
+word) when numba is installed; without it the sender keeps to zstd (``delta.py``) and the receiver decodes
 with :func:`decode_numpy`, so either side may lack numba. Chunks whose size is not a
 multiple of 8 bytes or whose buffers are not 8-byte aligned are never encoded this way.
 """
@@ -28,40 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: the most bytes one change takes: a gap of up to 2**35 words (5 bytes), a 16-bit XOR (3)
 MAX_CHANGE_BYTES = 8
-
-
-def _encode_py(new64: Any, base64: Any, out: Any) -> int:
-    """Write the (gap, XOR) varints of ``new64 ^ base64`` (int64 views of one chunk) into
-    ``out`` (uint8); the bytes written, or -1 if they would not fit (numba compiles it)."""
-    limit = out.shape[0] - MAX_CHANGE_BYTES
-    pos = 0
-    last = 0  # the word after the previous change
-    for j in range(new64.shape[0]):
-        word = new64[j] ^ base64[j]
-        if word == 0:
-            continue
-        for lane in range(4):
-            value = (word >> (16 * lane)) & 0xFFFF
-            if value == 0:
-                continue
-            if pos > limit:
-                return -1
-            index = 4 * j + lane
-            gap = index - last
-            while gap >= 128:
-                out[pos] = (gap & 127) | 128
-                pos += 1
-                gap >>= 7
-            out[pos] = gap
-            pos += 1
-            while value >= 128:
-                out[pos] = (value & 127) | 128
-                pos += 1
-                value >>= 7
-            out[pos] = value
-            pos += 1
-            last = index + 1
-    return pos
+#: the encoder checks its room once per block of 64 words, so ``out`` needs this much slack
+BLOCK_BYTES = 64 * MAX_CHANGE_BYTES
 
 
 def _decode_py(stream: Any, out16: Any) -> int:
@@ -107,21 +76,23 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
     """The numba-compiled (encode, decode) kernels, or None without numba."""
     try:
         import numba  # type: ignore[import-untyped, unused-ignore]
+
+        from weightsync.transports.ray import delta_kernels
     except ImportError:
         return None
     try:
         try:
-            jit = numba.njit(nogil=True, cache=True)  # compiled once per machine
-            kernels = jit(_encode_py), jit(_decode_py)
+            decode = numba.njit(nogil=True, cache=True)(_decode_py)  # compiled once per machine
         except RuntimeError:  # pragma: no cover - no writable cache directory: per process
-            jit = numba.njit(nogil=True)
-            kernels = jit(_encode_py), jit(_decode_py)
+            decode = numba.njit(nogil=True)(_decode_py)
+        encode = delta_kernels.encode_blocks
         # compile now (setup time: encoders and decoders are made before any send), not
         # inside the first timed chunk
-        words = np.zeros(1, dtype=np.int64)
-        kernels[0](words, words, np.zeros(16, dtype=np.uint8))
-        kernels[1](np.zeros(0, dtype=np.uint8), np.zeros(4, dtype=np.uint16))
-        return kernels
+        words = np.zeros(1, dtype=np.uint64)
+        lanes = np.zeros(4, dtype=np.uint16)
+        encode(words, words, lanes, lanes, np.zeros(BLOCK_BYTES + 16, dtype=np.uint8))
+        decode(np.zeros(0, dtype=np.uint8), lanes)
+        return encode, decode
     except Exception as exc:  # pragma: no cover - a numba that cannot compile here
         logger.warning("numba cannot compile the sparse delta kernels (%s): using zstd", exc)
         return None
@@ -139,12 +110,14 @@ def fits(chunk: torch.Tensor) -> bool:
 
 def encode(new: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> int:
     """The sparse delta of uint8 chunk ``new`` against ``base`` into ``out``: the bytes
-    written (0: nothing changed), or -1 if it would not fit in ``out``. Both chunks must
-    :func:`fit`; needs :func:`available`."""
+    written (0: nothing changed), or -1 if it might not fit in ``out`` (checked a block of
+    64 words at a time: give ``out`` :data:`BLOCK_BYTES` more than the most you accept).
+    Both chunks must :func:`fit`; needs :func:`available`."""
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError("the sparse delta encoder needs numba")
-    return int(kernels[0](new.view(torch.int64).numpy(), base.view(torch.int64).numpy(),
+    new64, base64 = (t.view(torch.int64).numpy().view(np.uint64) for t in (new, base))
+    return int(kernels[0](new64, base64, new64.view(np.uint16), base64.view(np.uint16),
                           out.numpy()))
 
 

@@ -28,7 +28,13 @@ import torch
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
 from weightsync.transports.ray.delta import DELTA, SAME, SPARSE, WHOLE, DeltaDecoder, DeltaEncoder
-from weightsync.transports.ray.group import WeightGroup, _chunks, bucket_buffers, wire_checksum
+from weightsync.transports.ray.group import (
+    FillChunk,
+    WeightGroup,
+    _chunks,
+    bucket_buffers,
+    wire_checksum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +135,11 @@ class DeltaSender:
             self.bases[worker_idx] = (handle, snapshot_id)
 
     def _encode(self, index: int, piece: torch.Tensor, base: torch.Tensor | None,
-                base_id: str | None) -> _Encoded:
-        """Chunk ``index``: its checksum and its encodings (whole, and against ``base``)."""
+                base_id: str | None, fill: FillChunk | None) -> _Encoded:
+        """Chunk ``index`` (packed first by ``fill``, if given): its checksum and its
+        encodings (whole, and against ``base``)."""
+        if fill is not None:
+            fill(index, piece)
         encoded: dict[str | None, tuple[int, torch.Tensor]] = {None: (WHOLE, piece)}
         if base is not None:
             encoder = getattr(self._local, "encoder", None)
@@ -140,22 +149,28 @@ class DeltaSender:
         return index, _signed(wire_checksum(piece)), encoded
 
     def send(self, group: WeightGroup, targets: Mapping[int, str | None],
-             timeout: float | None) -> WireFigures:
+             timeout: float | None, fill: FillChunk | None = None) -> WireFigures:
         """Send the newest snapshot to each rank of ``targets`` (rank -> base id, None for
         whole chunks); each chunk is encoded once (for all ranks with the same base), on
-        ``ENCODE_THREADS`` threads ahead of the chunk on the wire."""
+        ``ENCODE_THREADS`` threads ahead of the chunk on the wire. ``fill(index, chunk)``
+        packs each chunk of the snapshot just before it is encoded (every chunk, even with
+        no target), so the pack overlaps the encoding and the wire."""
         assert self.latest is not None
         pg, figures = _pg(group), WireFigures()
-        if not targets:
-            return figures
         pieces = _chunks(bucket_buffers(self.layout, self.latest.buffers))
+        if not targets:
+            if fill is not None:
+                for index, piece in enumerate(pieces):
+                    fill(index, piece)
+            return figures
         base_id = self.previous.id if self.previous is not None else None
         bases = (_chunks(bucket_buffers(self.layout, self.previous.buffers))
                  if self.previous is not None and base_id in targets.values() else None)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="weightsync-delta")
         futures: list[Future[_Encoded]] = [
-            self._pool.submit(self._encode, i, piece, None if bases is None else bases[i], base_id)
+            self._pool.submit(self._encode, i, piece, None if bases is None else bases[i], base_id,
+                              fill)
             for i, piece in enumerate(pieces)]
         works: list[Any] = []
         alive: list[torch.Tensor] = []  # payloads and headers, until their sends complete

@@ -163,7 +163,11 @@ class RayWriter:
                                          and local.workers):  # packed (and cast) first
             buffers = (self._delta.next_buffers() if self._delta is not None
                        else self._wire_buffers())
-            wire_layout.pack(flat, buffers)
+            if (self._delta is not None and not (local is not None and local.workers)
+                    and members.group.info.world_size > 1 and can_stream(wire_layout, flat)):
+                fill = streamed_pack(wire_layout, flat, buffers)  # cast as the streams go
+            else:
+                wire_layout.pack(flat, buffers)
             if self._delta is not None:
                 snapshot_id = self._delta.packed(buffers)
             if local is not None and local.workers:
@@ -226,7 +230,7 @@ class RayWriter:
                 told | {"relay": [f for f in followers if f in flight.keep]}
                 if followers else told)
         if streams is not None:
-            self._stream(flight, {r: s["base"] for r, s in streams.items()}, budget)
+            self._stream(flight, {r: s["base"] for r, s in streams.items()}, budget, fill)
         elif remote:
             wire = bucket_buffers(self._wire_layout, flight.buffers)
             flight.figures.add(WireFigures(sum(b.numel() for b in wire) * (group.info.world_size - 1),
@@ -256,11 +260,12 @@ class RayWriter:
         return streams
 
     def _stream(self, flight: _Flight, targets: dict[int, str | None],
-                budget: float | None) -> None:
-        """Delta: send the streams; a failure breaks the group like a failed broadcast."""
+                budget: float | None, fill: FillChunk | None = None) -> None:
+        """Delta: send the streams (``fill`` packs each chunk first, see ``publish``); a
+        failure breaks the group like a failed broadcast."""
         assert self._delta is not None and self.members.group is not None
         try:
-            flight.figures.add(self._delta.send(self.members.group, targets, budget))
+            flight.figures.add(self._delta.send(self.members.group, targets, budget, fill))
         except RuntimeError as exc:
             logger.warning("the delta streams of version %d failed: %s", flight.version, exc)
             flight.broadcast_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
