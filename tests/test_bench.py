@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from weightsync.bench.floors import copy_times, pipe_times, socket_times, wake_times
+from weightsync.bench.floors import (
+    copy_times,
+    pipe_times,
+    socket_times,
+    split_copy_times,
+    wake_times,
+)
 from weightsync.bench.local import bench_local, make_model, run_bench, supports_zero_copy
 from weightsync.bench.plot import COLOURS, transport_of, write_plot
 from weightsync.bench.rows import format_table, make_row
@@ -29,6 +35,13 @@ def test_model_has_the_asked_size_in_layers():
 def test_floors_are_several_samples():
     assert len(copy_times(1 << 20, repeats=4)) == 4
     assert len(socket_times(1 << 20, repeats=5)) == 5
+
+
+def test_split_copy_floor_times_every_process_of_each_round():
+    """Two real processes copy their halves at once: one span per round, from the first
+    start to the last end."""
+    times = split_copy_times(32 << 20, 2, repeats=3)
+    assert len(times) == 3 and all(0 < t < 10 for t in times)
 
 
 @pytest.mark.slow

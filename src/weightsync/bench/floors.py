@@ -1,8 +1,9 @@
 """What the machine itself costs, measured in the same run as the transports: one memcpy
-(one device-to-device copy on a GPU), one bare Unix-socket transfer, one bare transfer
-through a page-mapping pipe, and one copy into shared memory followed by one wake of the
-processes blocked on it until the last runs (the least any tear-free publish to workers
-blocked in ``receive()`` can cost: the bytes are written, then the workers woken)."""
+(one device-to-device copy on a GPU; also split over several processes at once), one bare
+Unix-socket transfer, one bare transfer through a page-mapping pipe, and one copy into
+shared memory followed by one wake of the processes blocked on it until the last runs (the
+least any tear-free publish to workers blocked in ``receive()`` can cost: the bytes are
+written, then the workers woken)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,38 @@ def copy_times(nbytes: int, repeats: int = 5, device: str = "cpu") -> list[float
 def memcpy_floor(nbytes: int, repeats: int = 5, device: str = "cpu") -> float:
     """Median seconds of one copy of ``nbytes`` (memcpy, or a device-to-device copy)."""
     return statistics.median(copy_times(nbytes, repeats, device))
+
+
+def _split_copier(nbytes: int, repeats: int, barrier: Any, out: Any) -> None:
+    """One process of :func:`split_copy_times`: copy its part at each barrier."""
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # fault the pages in
+    for _ in range(repeats):
+        barrier.wait(60)
+        t0 = time.monotonic()
+        dst.copy_(src)
+        out.put((t0, time.monotonic()))
+
+
+def split_copy_times(nbytes: int, parts: int, repeats: int = 5) -> list[float]:
+    """Seconds from the first start to the last end of ``parts`` processes each copying
+    ``nbytes / parts`` at once (one thread each): the floor of ``parts`` trainer ranks that
+    write one model together, which more processes only lower where the memory bus has
+    room for them."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(parts)
+    outs = [ctx.Queue() for _ in range(parts)]  # one each: a killed writer holds no one's lock
+    procs = [ctx.Process(target=_split_copier, args=(nbytes // parts, repeats, barrier, q),
+                         daemon=True) for q in outs]
+    for p in procs:
+        p.start()
+    try:
+        spans = [[q.get(timeout=120) for _ in range(repeats)] for q in outs]
+    finally:
+        join_or_kill(procs, 30)
+    return [max(s[i][1] for s in spans) - min(s[i][0] for s in spans) for i in range(repeats)]
 
 
 def _socket_reader(sock: Any, nbytes: int, rounds: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.floors import join_or_kill, memcpy_floor
+from weightsync.bench.floors import join_or_kill, memcpy_floor, split_copy_times
 from weightsync.bench.rows import BenchRow, make_row
 
 _WIDTH = 4096  # Linear(4096, 4096): 64 MiB of fp32 per layer
@@ -130,7 +130,9 @@ def _worker(idx: int, layers: int, sharded: Any, single: Any, repeats: int, out:
 def run_sharded_bench(size: str, nbytes: int, repeats: int,
                       progress: Callable[[str], None], world: int = 2,
                       workers: int = 2) -> list[BenchRow]:
-    """Rows for one model size: sharded, the gather baseline, and the ranks' memory."""
+    """Rows for one model size: the memcpy split over the ranks (what ``world`` processes
+    writing one model together cannot beat), sharded, the gather baseline, and the ranks'
+    memory."""
     import torch.multiprocessing as mp
 
     from weightsync.schemes.shared_mem import SharedMemWeightSyncScheme
@@ -168,7 +170,8 @@ def run_sharded_bench(size: str, nbytes: int, repeats: int,
     finally:
         join_or_kill(procs, 30)
     floor = memcpy_floor(nbytes)
-    rows = []
+    rows = [make_row(f"floor: memcpy split over {world} processes at once (1 thread each)",
+                     size, nbytes, workers, split_copy_times(nbytes, world, repeats), floor)]
     for label, name in (("sharded", f"sharded shm ({world} FSDP2 ranks) applied everywhere"),
                         ("gather", f"gather on rank 0 + shm send ({world} FSDP2 ranks)")):
         times = [max(e[i] for e in ends[label]) - min(s[i] for s in starts[label])
