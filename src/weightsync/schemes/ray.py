@@ -9,7 +9,9 @@ each send signals the actors through Ray and broadcasts the packed, checksummed 
 for all of them; actors stage what arrives and apply it at ``poll()``. Actors on the
 trainer's own node take each version out of shared memory instead (``node_local``).
 ``dtype`` casts the version as it is packed; ``delta`` sends each node on another host the
-difference from the version it holds (``transports/ray/delta*.py``).
+difference from the version it holds (``transports/ray/delta*.py``). ``trainer_ranks > 1``:
+a sharded trainer, each rank sending its own shards point to point to every relay actor
+(``transports/ray/sharded_lead.py``, ``sharded_rank.py``, ``shard_stream.py``).
 """
 
 from __future__ import annotations
@@ -28,17 +30,25 @@ from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
+from weightsync.schemes.ranks import trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.ray.group import current_node_id
 from weightsync.transports.ray.reader import SENDER_CHECK_S, RayReader
 from weightsync.transports.ray.rendezvous import Rendezvous
+from weightsync.transports.ray.sharded_lead import ShardedLeadWriter
+from weightsync.transports.ray.sharded_rank import RankRayWriter
 from weightsync.transports.ray.writer import RayWriter
 
 __all__ = ["SENDER_CHECK_S", "RayConfig", "RayWeightReceiver", "RayWeightSender",
            "RayWeightSyncScheme", "Rendezvous"]
 
 BACKENDS = ("gloo", "nccl")
+#: the Ray namespace of a sharded trainer's rendezvous actor: its ranks are separate Ray
+#: jobs (each its own namespace by default), and they and the actors must all find it
+SHARDED_NAMESPACE = "weightsync"
+#: the most trainer ranks one scheme takes (each is a member of every group generation)
+MAX_TRAINER_RANKS = 1024
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,8 @@ class RayConfig:
     dtype: torch.dtype | None = None
     #: each node on another host gets the difference from the version it holds
     delta: bool = False
+    #: how many processes of a sharded trainer send each version (``sharded_lead.py``)
+    trainer_ranks: int = 1
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
@@ -82,6 +94,21 @@ class RayConfig:
         if self.delta and self.backend != "gloo":
             raise ValueError("delta=True needs backend='gloo' (the deltas are encoded and "
                              "decoded on the CPU)")
+        if type(self.trainer_ranks) is not int or not 1 <= self.trainer_ranks <= MAX_TRAINER_RANKS:
+            raise ValueError(f"trainer_ranks must be an int in 1..{MAX_TRAINER_RANKS}, got "
+                             f"{self.trainer_ranks!r}")
+        if self.trainer_ranks > 1 and self.delta:
+            raise ValueError("delta=True is not supported with trainer_ranks > 1 (no rank "
+                             "holds the whole previous version to diff against)")
+        if self.trainer_ranks > 1 and self.backend != "gloo":
+            raise ValueError("trainer_ranks > 1 needs backend='gloo' (the ranks' streams "
+                             "are point to point on the CPU)")
+
+    @property
+    def namespace(self) -> str | None:
+        """The rendezvous actor's Ray namespace: a sharded trainer's is fixed, else None
+        (the namespace of the job that creates the sender, as the actors')."""
+        return SHARDED_NAMESPACE if self.trainer_ranks > 1 else None
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
@@ -105,7 +132,16 @@ class RayWeightSyncScheme(WeightSyncScheme):
     gets whole chunks. Worth it when most words do not change between versions (bf16 after
     a small optimizer step) and the network is slower than the CPU's encoding (~1 GB/s per
     core); costs one extra copy of the (cast) version on the trainer and on one actor per
-    other host. Needs ``zstandard`` (``pip install 'weightsync[delta]'``)."""
+    other host. Needs ``zstandard`` (``pip install 'weightsync[delta]'``).
+
+    ``trainer_ranks`` (default 1): a sharded trainer (FSDP2 / DTensor, or ``LocalShard``)
+    of that many processes, each connected to the Ray cluster, each calling
+    ``create_sender(rank=r)``; rank 0 also passes the actor handles. Every rank sends its
+    own shards point to point to one relay actor per node, which assembles, verifies and
+    hands the version to its node's actors; no rank gathers the model. Versions reach the
+    actors whole, in the global layout. With it: gloo only, no ``delta``, and actors on the
+    trainer's node take the group path too (no ``node_local``); the rendezvous actor lives
+    in the Ray namespace ``"weightsync"``."""
 
     def __init__(
         self,
@@ -119,12 +155,13 @@ class RayWeightSyncScheme(WeightSyncScheme):
         checksums: bool = True,
         dtype: torch.dtype | None = None,
         delta: bool = False,
+        trainer_ranks: int = 1,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
         named = {} if connection_info_name is None else {
             "connection_info_name": connection_info_name}
         self.config = RayConfig(num_workers, backend, node_local, checksums, **named,
-                                dtype=dtype, delta=delta)
+                                dtype=dtype, delta=delta, trainer_ranks=trainer_ranks)
 
     num_workers = property(lambda self: self.config.num_workers)
     backend = property(lambda self: self.config.backend)
@@ -134,11 +171,26 @@ class RayWeightSyncScheme(WeightSyncScheme):
     secret = property(lambda self: self.config.secret)
     dtype = property(lambda self: self.config.dtype)
     delta = property(lambda self: self.config.delta)
+    trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
     def create_sender(
-        self, workers: Sequence[Any] | Mapping[int, Any] | None = None,
-    ) -> RayWeightSender:
-        """The trainer's end; ``workers`` are the actor handles, by worker index."""
+        self, workers: Sequence[Any] | Mapping[int, Any] | None = None, *,
+        rank: int | None = None,
+    ) -> WeightSender:
+        """The trainer's end; ``workers`` are the actor handles, by worker index. With
+        ``trainer_ranks > 1``: rank ``rank``'s end (default: this process's
+        torch.distributed rank); only rank 0 takes ``workers`` (ranks 1..N-1 send to the
+        actors rank 0 names)."""
+        rank = trainer_rank(rank, self.config.trainer_ranks)
+        if rank > 0:
+            if workers is not None:
+                raise ValueError(f"trainer rank {rank}: only rank 0 takes the actor handles")
+            c = self.config
+            assert c.namespace is not None
+            writer = RankRayWriter(rank=rank, secret=c.secret,
+                                   rendezvous_name=c.connection_info_name,
+                                   namespace=c.namespace, dtype=c.dtype)
+            return WeightSender(self, writer, c.num_workers)
         sender = RayWeightSender(self)
         if workers is not None:
             sender.register_workers(workers)
@@ -151,7 +203,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
         c = self.config
         return (f"{type(self).__name__}(num_workers={c.num_workers}, backend={c.backend!r}, "
                 f"node_local={c.node_local}, checksums={c.checksums}, dtype={c.dtype}, "
-                f"delta={c.delta}, timeout={self.timeout})")
+                f"delta={c.delta}, timeout={self.timeout}"
+                + (f", trainer_ranks={c.trainer_ranks})" if c.trainer_ranks > 1 else ")"))
 
 
 class RayWeightSender(WeightSender):
@@ -162,10 +215,17 @@ class RayWeightSender(WeightSender):
 
     def __init__(self, scheme: RayWeightSyncScheme) -> None:
         c = scheme.config
-        writer = RayWriter(num_workers=c.num_workers, backend=c.backend,
-                           node_local=c.node_local, checksums=c.checksums,
-                           rendezvous_name=c.connection_info_name, secret=c.secret,
-                           timeout=scheme.timeout, dtype=c.dtype, delta=c.delta)
+        writer: RayWriter
+        if c.trainer_ranks > 1:  # rank 0 of a sharded trainer: no node-local path
+            writer = ShardedLeadWriter(
+                trainer_ranks=c.trainer_ranks, num_workers=c.num_workers, backend=c.backend,
+                node_local=False, checksums=c.checksums, rendezvous_name=c.connection_info_name,
+                secret=c.secret, timeout=scheme.timeout, dtype=c.dtype, namespace=c.namespace)
+        else:
+            writer = RayWriter(num_workers=c.num_workers, backend=c.backend,
+                               node_local=c.node_local, checksums=c.checksums,
+                               rendezvous_name=c.connection_info_name, secret=c.secret,
+                               timeout=scheme.timeout, dtype=c.dtype, delta=c.delta)
         super().__init__(scheme, writer, c.num_workers)
         self.scheme: RayWeightSyncScheme = scheme
 
@@ -219,7 +279,7 @@ class RayWeightReceiver(WeightReceiver):
         c = scheme.config
         reader = RayReader(worker_idx, num_workers=c.num_workers, backend=c.backend,
                            rendezvous_name=c.connection_info_name, secret=c.secret,
-                           timeout=scheme.timeout)
+                           timeout=scheme.timeout, rendezvous_namespace=c.namespace)
         super().__init__(scheme, worker_idx, reader)
         self.scheme: RayWeightSyncScheme = scheme
 

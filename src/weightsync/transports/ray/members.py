@@ -54,7 +54,8 @@ class RayMembers:
     members, and the workers already reported lost or silent (not raised again)."""
 
     def __init__(self, *, num_workers: int, backend: str, secret: str, rendezvous_name: str,
-                 store_timeout: float) -> None:
+                 store_timeout: float, trainer_ranks: int = 1,
+                 namespace: str | None = None) -> None:
         import ray
 
         self._ray = ray
@@ -73,7 +74,9 @@ class RayMembers:
         self._store: Any = None
         self.address = node_address()
         self._local_handles: dict[int, Any] = {}  # the actor each node-local worker is
-        self.rendezvous: Any = start_rendezvous(rendezvous_name)
+        #: group ranks 0..trainer_ranks-1 are the trainer's ranks (sharded), actors follow
+        self.trainer_ranks = trainer_ranks
+        self.rendezvous: Any = start_rendezvous(rendezvous_name, namespace)
 
     # ------------------------------------------------------------------ handles
     def register(self, worker_idx: int, handle: Any) -> None:
@@ -161,9 +164,10 @@ class RayMembers:
             )
         self._generation += 1
         info = GroupInfo(
-            address=self.address, port=int(self._store.port), world_size=len(remote) + 1,
+            address=self.address, port=int(self._store.port),
+            world_size=len(remote) + self.trainer_ranks,
             generation=self._generation, backend=self.backend,
-            ranks={w: r + 1 for r, w in enumerate(remote)}, timeout_s=timeout_s,
+            ranks={w: r + self.trainer_ranks for r, w in enumerate(remote)}, timeout_s=timeout_s,
             secret=self.secret, nonce=secrets.token_hex(16),
         )
         public = asdict(info) | {"secret": ""}  # the rendezvous actor never holds the token

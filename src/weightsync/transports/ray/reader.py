@@ -30,6 +30,7 @@ from weightsync.core.staging import Buffers, StagingBuffers
 from weightsync.transports.ray.delta_stream import DeltaReceiver
 from weightsync.transports.ray.group import GroupInfo
 from weightsync.transports.ray.node_local import NodeLocalInfo, NodeLocalSender
+from weightsync.transports.ray.shard_stream import StreamFailed, receive_pieces
 from weightsync.transports.ray.staging import checked_staging
 from weightsync.transports.ray.transport import RayTransport
 
@@ -46,11 +47,15 @@ class RayReader:
     views_model: bool = False
 
     def __init__(self, worker_idx: int, *, num_workers: int, backend: str,
-                 rendezvous_name: str, secret: str, timeout: float) -> None:
+                 rendezvous_name: str, secret: str, timeout: float,
+                 rendezvous_namespace: str | None = None) -> None:
         self.worker_idx = worker_idx
         self.num_workers = num_workers
         self.expecting = "weights delivered by the sender"
         self.rendezvous_name = rendezvous_name
+        #: a sharded trainer's rendezvous lives in a namespace of its own (its ranks are
+        #: separate Ray jobs); None: this actor's job namespace, as the trainer's
+        self.rendezvous_namespace = rendezvous_namespace
         self._timeout = timeout
         self.transport = RayTransport(worker_idx=worker_idx, backend=backend,
                                       connection_info_name=rendezvous_name, secret=secret)
@@ -112,7 +117,8 @@ class RayReader:
         if self._rendezvous is None:
             import ray
 
-            self._rendezvous = ray.get_actor(self.rendezvous_name)
+            self._rendezvous = ray.get_actor(self.rendezvous_name,
+                                             namespace=self.rendezvous_namespace)
         if self.worker_idx in group.ranks:
             self.transport.detach_local()  # a member of the broadcast this generation
         self.transport.join(group, Layout.from_dict(layout))
@@ -138,6 +144,10 @@ class RayReader:
         stream = delivery.get("stream")
         if local is not None:
             local.take_messages(messages or [])
+        elif delivery.get("sharded") is not None:
+            lost = self._take_sharded(version, keep, delivery, held)
+            if lost is not None:
+                return self._answer() | lost
         elif stream is not None:
             refused = self._take_stream(version, keep, stream, delivery, held)
             if refused is not None:
@@ -219,6 +229,49 @@ class RayReader:
             raise self._did_not_arrive(version, held, exc, keep) from exc
         return None
 
+    def _take_sharded(self, version: int, keep: bool, delivery: dict[str, Any],
+                      held: int) -> dict[str, Any] | None:
+        """A sharded trainer: take every trainer rank's stream of ``version``, each chunk
+        verified before it is written into staging (and relay it once whole); returns
+        ``{"refused": why, "lost_ranks": [...]}`` if some rank's stream broke (nothing
+        staged: the version is not taken), else None."""
+        transport, staging, group = self.transport, self._staging, self.transport.group
+        assert staging is not None and group is not None and transport.layout is not None
+        layout = transport.layout
+        generation = delivery.get("generation")
+        if generation is not None and generation != group.info.generation:
+            raise WeightSyncError(
+                f"worker {self.worker_idx}: version {version} was sent to group generation "
+                f"{generation}, this actor is in {group.info.generation}")
+        timeout, followers = delivery.get("timeout_s"), delivery.get("relay")
+        sharded = delivery["sharded"]
+        regions = {int(r): regs for r, regs in sharded["regions"].items()}
+        wire_hook = RayTransport.wire_hook
+        hook = None if wire_hook is None else (lambda payload: wire_hook([payload]))
+        self._relayed_now = False
+
+        def write(buffers: Buffers) -> None:
+            views = layout.named_views(buffers)
+            receive_pieces(group, layout, views, regions, version, timeout, hook,
+                           int(sharded["chunk_bytes"]))
+            if self._relay is not None and followers:
+                self._relay.publish(views, followers, version, timeout)
+                self._relayed_now = True
+
+        try:
+            staging.fill(version, write, keep)
+        except StreamFailed as exc:
+            logger.warning("worker %d: %s; keeping version %d", self.worker_idx, exc, held)
+            return {"refused": str(exc), "lost_ranks": exc.ranks}
+        except IntegrityError as exc:
+            logger.warning("%s", exc)
+            if keep:
+                self._failure = exc
+            raise
+        except RuntimeError as exc:
+            raise self._did_not_arrive(version, held, exc, keep) from exc
+        return None
+
     def _did_not_arrive(self, version: int, held: int, exc: BaseException,
                         keep: bool) -> WeightSyncError:
         """The error of a version the group failed to bring (kept for the next poll()
@@ -252,7 +305,7 @@ class RayReader:
         import ray
 
         handle = ray.get_runtime_context().current_actor
-        rendezvous = ray.get_actor(self.rendezvous_name)
+        rendezvous = ray.get_actor(self.rendezvous_name, namespace=self.rendezvous_namespace)
         ray.get(rendezvous.announce.remote(self.worker_idx, handle), timeout=timeout)
 
     # -------------------------------------------------- driven by the receiver

@@ -67,11 +67,13 @@ class RayWriter:
 
     def __init__(self, *, num_workers: int, backend: str, node_local: bool, checksums: bool,
                  rendezvous_name: str, secret: str, timeout: float,
-                 dtype: torch.dtype | None = None, delta: bool = False) -> None:
+                 dtype: torch.dtype | None = None, delta: bool = False,
+                 trainer_ranks: int = 1, namespace: str | None = None) -> None:
         if delta:
             check_available()
         self.members = RayMembers(num_workers=num_workers, backend=backend, secret=secret,
-                                  rendezvous_name=rendezvous_name, store_timeout=timeout)
+                                  rendezvous_name=rendezvous_name, store_timeout=timeout,
+                                  trainer_ranks=trainer_ranks, namespace=namespace)
         self.backend = backend
         self.node_local = node_local
         self.checksums = checksums

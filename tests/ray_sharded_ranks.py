@@ -1,0 +1,234 @@
+"""Ranks of a sharded trainer on the Ray scheme (importable by spawn) and the actor class
+they feed (importable by Ray workers through PYTHONPATH).
+
+Every rank is its own process with its own user's gloo group (FSDP2 / tensor parallel)
+and its own connection to the test's Ray instance (``ray.init(address=...)``); rank 0
+finds the actors by name. After each send, rank 0 compares every actor's tensors with the
+model the ranks gathered (``full_tensor()``, on the user's group: the test gathers, not
+weightsync)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import ray
+import torch
+from dtensor_ranks import mlp, tp_model
+from sharded_ranks import init_gloo
+from torch import nn
+
+import weightsync as ws
+from weightsync.integrations.ray import RayWeightReceiverMixin
+
+#: the Ray namespace the test's actors are named in (the scheme's rendezvous has its own)
+NAMESPACE = "weightsync-tests"
+
+
+class Pair(nn.Module):
+    """Plain tensors ``w`` (8 x 4) and ``b`` (4): the LocalShard cases."""
+
+    def __init__(self, cols: int = 4) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(8, cols))
+        self.b = nn.Parameter(torch.zeros(4))
+
+
+def actor_model(kind: str) -> nn.Module:
+    if kind == "fsdp":
+        return mlp()
+    if kind == "tp":
+        return tp_model().to(torch.bfloat16)
+    return Pair()
+
+
+@ray.remote(num_cpus=0)
+class ShardedCollector(RayWeightReceiverMixin):
+    def __init__(self, scheme: Any, idx: int, kind: str) -> None:
+        self.model = actor_model(kind)
+        self.weightsync_setup(scheme, idx, self.model)
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        self.weightsync_receiver.poll()
+        return (self.weightsync_receiver.version,
+                {k: v.detach().clone() for k, v in self.model.state_dict().items()})
+
+
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for n, t in model.state_dict().items()}
+
+
+def _diff(got: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(full), (sorted(got), sorted(full))
+    return max(float((got[n].float() - full[n].to(got[n].dtype).float()).abs().max())
+               for n in full)
+
+
+def _actor_states(names: list[str], full: dict[str, torch.Tensor]) -> list[tuple[int, float]]:
+    out = []
+    for name in names:
+        version, state = ray.get(ray.get_actor(name, namespace=NAMESPACE).weights.remote(),
+                                 timeout=30)
+        out.append((version, _diff(state, full)))
+    return out
+
+
+def _fsdp(rank: int, world: int) -> tuple[nn.Module, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = mlp()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(step: int) -> None:
+        x = torch.randn(8, 10, generator=torch.Generator().manual_seed(step + rank))
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, train
+
+
+def _tp(rank: int, world: int) -> tuple[nn.Module, Any]:
+    """A colwise (``Shard(0)``) and a rowwise (``Shard(1)``) Linear and a replicated norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = tp_model()
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    norm = model[3]
+    for name, param in list(norm.named_parameters()):
+        norm.register_parameter(name, nn.Parameter(
+            distribute_tensor(param.data, mesh, [Replicate()])))
+    return model, _local_update(model)
+
+
+def _local_update(model: nn.Module) -> Any:
+    @torch.no_grad()
+    def update(step: int) -> None:  # pointwise on every shard: no collective
+        for param in model.parameters():
+            param.mul_(0.9).add_(0.01 * step)
+
+    return update
+
+
+def _connect_ray(address: str) -> None:
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+
+
+def trainer_rank(rank: int, world: int, address: str, scheme: Any, names: list[str],
+                 port: int, steps: int, kind: str) -> dict[str, Any]:
+    """``steps`` sends after connect(); rank 0 returns every actor's (version, largest
+    difference from the gathered model) after each."""
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port)
+    _connect_ray(address)
+    try:
+        model, update = _fsdp(rank, world) if kind == "fsdp" else _tp(rank, world)
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
+        versions, states = [], []
+        with scheme.create_sender(handles, rank=rank) as sender:
+            sender.register_model(model)
+            for step in range(steps + 1):
+                if step:
+                    update(step)
+                version = sender.connect(timeout=60) if not step else sender.send()
+                versions.append(version)
+                full = _gathered(model)
+                if rank == 0:
+                    states.append(_actor_states(names, full))
+                dist.barrier()
+        return {"versions": versions, "states": states}
+    finally:
+        dist.destroy_process_group()
+        ray.shutdown()
+
+
+def killed_rank(rank: int, world: int, address: str, scheme: Any, names: list[str],
+                port: int) -> dict[str, Any]:
+    """FSDP2 over 2 ranks, small chunks; rank 1 SIGKILLs itself after its first chunk of
+    version 2. Rank 0 returns its error and what the actors hold then."""
+    import torch.distributed as dist
+
+    from weightsync.transports.ray import shard_stream
+
+    init_gloo(rank, world, port)
+    _connect_ray(address)
+    shard_stream.CHUNK_BYTES = 64  # rank 0 picks it for every rank: several chunks each
+    if rank == 1:
+        def die(version: int, index: int) -> None:
+            if version == 2 and index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        shard_stream.send_hook = die
+    model, _train = _fsdp(rank, world)
+    update = _local_update(model)
+    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
+    sender = scheme.create_sender(handles, rank=rank)
+    sender.register_model(model)
+    sender.connect(timeout=60)
+    update(1)
+    assert sender.send() == 1
+    full = _gathered(model)
+    update(2)  # every shard changes: a partly applied version 2 would show
+    try:
+        sender.send(timeout=20)
+    except ws.TrainerRankLostError as exc:
+        outcome: dict[str, Any] = {"error": type(exc).__name__, "rank": exc.rank,
+                                   "message": str(exc)}
+    else:
+        outcome = {"error": None}
+    outcome["states"] = _actor_states(names, full)
+    sender.close()
+    ray.shutdown()
+    return outcome
+
+
+def local_shard_rank(rank: int, world: int, address: str, scheme: Any, names: list[str],
+                     port: int, case: str) -> dict[str, Any]:
+    """LocalShard blocks of ``w`` (rows 0..5 on rank 0, 5..8 on rank 1; ``b`` a plain
+    tensor, written by rank 0). ``case``: "ok", "shape" (rank 1 registers ``w`` with 5
+    columns) or "overlap" (rank 1 registers rows 4..8). Returns each send's version, or
+    the error raised."""
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port)  # only so that rank 0 closes after rank 1 heard the verdict
+    _connect_ray(address)
+    try:
+        cols = 5 if case == "shape" and rank == 1 else 4
+        lo = (4 if case == "overlap" else 5) if rank == 1 else 0
+        hi = 8 if rank == 1 else 5
+        block = torch.arange(lo * cols, hi * cols, dtype=torch.float32).reshape(hi - lo, cols)
+        weights = {"w": ws.LocalShard(block, (8, cols), (lo, 0)),
+                   "b": torch.full((4,), 7.0)}
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
+        with scheme.create_sender(handles, rank=rank) as sender:
+            sender.register_model(weights)
+            try:
+                version = sender.connect(timeout=30)
+            except ws.SchemaMismatchError as exc:
+                dist.barrier()
+                return {"error": type(exc).__name__, "message": str(exc), "key": exc.key}
+            states = _actor_states(names, {"w": torch.arange(32.0).reshape(8, 4),
+                                           "b": torch.full((4,), 7.0)}) if rank == 0 else []
+            dist.barrier()
+            return {"version": version, "states": states}
+    finally:
+        dist.destroy_process_group()
+        ray.shutdown()

@@ -1,0 +1,139 @@
+"""A sharded trainer on the Ray scheme: every rank a real process connected to one local
+Ray instance, sending its own shards point to point to the actors' relays (no gather);
+the actors hold the gathered model after every send, keep their version when a rank dies
+mid-send, and a layout disagreement is refused before any byte is sent."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+from ray_processes import ray_processes
+from sharded_ranks import free_port, run_ranks
+
+ray = pytest.importorskip("ray")
+
+import weightsync as ws  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(240)]
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        _node_ip_address="127.0.0.1", namespace="weightsync-tests",
+        object_store_memory=100 * 1024 * 1024,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+            [TESTS_DIR, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}},
+    )
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    deadline = time.monotonic() + 20
+    while ray_processes(session_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_processes(session_dir), ray_processes(session_dir)
+
+
+@pytest.fixture
+def named_actors(ray_cluster):
+    """``make(scheme, n, kind)``: n actors named in the tests' namespace, up and ready."""
+    from ray_sharded_ranks import NAMESPACE, ShardedCollector
+
+    made = []
+
+    def make(scheme, n, kind):
+        names = [f"sharded-{uuid.uuid4().hex[:8]}-{i}" for i in range(n)]
+        group = [ShardedCollector.options(name=name, namespace=NAMESPACE).remote(scheme, i, kind)
+                 for i, name in enumerate(names)]
+        ray.get([a.weights.remote() for a in group], timeout=60)
+        made.extend(group)
+        return names
+
+    yield make
+    for actor in made:
+        ray.kill(actor)
+
+
+def test_create_sender_checks_rank_and_options():
+    with pytest.raises(ValueError, match="delta"):
+        ws.RayWeightSyncScheme(num_workers=1, trainer_ranks=2, delta=True)
+    with pytest.raises(ValueError, match="trainer_ranks"):
+        ws.RayWeightSyncScheme(num_workers=1, trainer_ranks=0)
+    with pytest.raises(ValueError, match="gloo"):
+        ws.RayWeightSyncScheme(num_workers=1, trainer_ranks=2, backend="nccl")
+    scheme = ws.RayWeightSyncScheme(num_workers=1, trainer_ranks=2)
+    assert "trainer_ranks=2" in repr(scheme)
+    with pytest.raises(ValueError, match="rank must be"):
+        scheme.create_sender(rank=2)
+    with pytest.raises(ValueError, match="only rank 0"):
+        scheme.create_sender([object()], rank=1)
+    assert "trainer_ranks" not in repr(ws.RayWeightSyncScheme(num_workers=1))
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_actors_hold_the_gathered_model_after_every_send(ray_cluster, named_actors, kind):
+    """FSDP2 (uneven Shard(0) rows, trained with SGD) and tensor parallel (Shard(0) and
+    Shard(1) Linears, a replicated LayerNorm, sent cast to bfloat16)."""
+    import torch
+
+    dtype = torch.bfloat16 if kind == "tp" else None
+    scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=60, dtype=dtype)
+    names = named_actors(scheme, 2, kind)
+    steps = 3
+    outcomes = run_ranks(_rank_fn("trainer_rank"), 2, 180, ray_cluster, scheme, names,
+                         free_port(), steps, kind)
+    assert all(o.ok for o in outcomes), outcomes
+    assert [o.value["versions"] for o in outcomes] == [list(range(steps + 1))] * 2
+    for version, states in enumerate(outcomes[0].value["states"]):
+        assert states == [(version, 0.0), (version, 0.0)], (version, states)
+
+
+def test_a_rank_killed_mid_send_fails_the_version_for_everyone(ray_cluster, named_actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=60)
+    names = named_actors(scheme, 2, "fsdp")
+    t0 = time.monotonic()
+    outcomes = run_ranks(_rank_fn("killed_rank"), 2, 120, ray_cluster, scheme, names,
+                         free_port())
+    rank0, rank1 = outcomes
+    assert rank1.exitcode is not None and rank1.exitcode < 0, rank1  # SIGKILLed
+    assert rank0.ok, rank0
+    assert rank0.value["error"] == "TrainerRankLostError", rank0.value
+    assert rank0.value["rank"] == 1 and "trainer rank 1" in rank0.value["message"]
+    # no actor took version 2, even partly: both hold version 1 exactly
+    assert rank0.value["states"] == [(1, 0.0), (1, 0.0)], rank0.value
+    assert time.monotonic() - t0 < 110
+
+
+@pytest.mark.parametrize(("case", "match"), [("shape", "trainer rank 1"),
+                                              ("overlap", "trainer ranks 0 and 1")])
+def test_a_layout_disagreement_is_refused_on_every_rank(ray_cluster, named_actors, case, match):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=30)
+    names = named_actors(scheme, 2, "pair")
+    outcomes = run_ranks(_rank_fn("local_shard_rank"), 2, 90, ray_cluster, scheme, names,
+                         free_port(), case)
+    assert all(o.ok for o in outcomes), outcomes
+    for o in outcomes:
+        assert o.value["error"] == "SchemaMismatchError", o.value
+        assert o.value["key"] == "w", o.value
+        assert match in o.value["message"], o.value
+
+
+def test_local_shards_and_a_plain_tensor(ray_cluster, named_actors):
+    scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=30)
+    names = named_actors(scheme, 2, "pair")
+    outcomes = run_ranks(_rank_fn("local_shard_rank"), 2, 90, ray_cluster, scheme, names,
+                         free_port(), "ok")
+    assert all(o.ok for o in outcomes), outcomes
+    assert [o.value["version"] for o in outcomes] == [0, 0]
+    assert outcomes[0].value["states"] == [(0, 0.0), (0, 0.0)]
+
+
+def _rank_fn(name):
+    import ray_sharded_ranks
+
+    return getattr(ray_sharded_ranks, name)
