@@ -164,7 +164,6 @@ def killed_rank(rank: int, world: int, address: str, scheme: Any, names: list[st
                 port: int) -> dict[str, Any]:
     """FSDP2 over 2 ranks, small chunks; rank 1 SIGKILLs itself after its first chunk of
     version 2. Rank 0 returns its error and what the actors hold then."""
-    import torch.distributed as dist
 
     from weightsync.transports.ray import shard_stream
 

@@ -29,7 +29,12 @@ import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.endpoints import Losses
-from weightsync.core.errors import SchemaMismatchError, TrainerRankLostError, WorkerLostError
+from weightsync.core.errors import (
+    SchemaMismatchError,
+    TrainerRankLostError,
+    WeightSyncError,
+    WorkerLostError,
+)
 from weightsync.core.layout import Layout
 from weightsync.core.shards import check_cover, describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
@@ -203,24 +208,35 @@ class ShardedLeadWriter(RayWriter):
         for an unsharded trainer."""
         flight = self._flight
         assert flight is not None and flight.version == version
-        lost_rank, why = self._wait_ranks(flight, deadline)
-        if lost_rank is not None:
+        lost_rank, why, failures = self._wait_ranks(flight, deadline)
+        if lost_rank is not None or failures:
             self._flight = None
             self.members.group = None  # rebuilt (with every rank) at the next send
-            message = (f"trainer rank {lost_rank} was lost while sending version {version} "
-                       f"({why}); no worker takes it, they keep the version they hold")
-            self._fail(version, {"type": "lost", "rank": lost_rank, "message": message})
+            if lost_rank is not None:
+                message = (f"trainer rank {lost_rank} was lost while sending version "
+                           f"{version} ({why}); no worker takes it, they keep the version "
+                           "they hold")
+                self._fail(version, {"type": "lost", "rank": lost_rank, "message": message})
+            else:
+                message = (f"version {version} failed: {'; '.join(failures)}; no worker takes "
+                           "it, they keep the version they hold (the group is rebuilt at "
+                           "the next send)")
+                self._fail(version, {"type": "failed", "message": message})
             self._answers_after_failure(flight, deadline)
-            raise TrainerRankLostError(message, rank=lost_rank)
+            if lost_rank is not None:
+                raise TrainerRankLostError(message, rank=lost_rank)
+            raise WeightSyncError(message)
         self._board("post_outcome", self._attempt, {"committed": version},
                     timeout=deadline.remaining())
         self._attempt = ""
         super().wait_acked(targets, version, deadline, lost)
 
-    def _wait_ranks(self, flight: _Flight, deadline: Deadline) -> tuple[int | None, str]:
+    def _wait_ranks(self, flight: _Flight,
+                    deadline: Deadline) -> tuple[int | None, str, list[str]]:
         """Until every rank 1..N-1 reported and every relay answered: the first rank lost
         (a relay saw its stream break and it did not report done, or it is silent at the
-        deadline less :func:`margin`), with why; (None, "") if none."""
+        deadline less :func:`margin`) with why, and what failed otherwise (a rank's own
+        send, a relay's stream: the version cannot be whole)."""
         ray = self.members._ray
         stop = None if deadline.remaining() is None else time.monotonic() + (
             (deadline.remaining() or 0.0) - margin(deadline))
@@ -237,20 +253,23 @@ class ShardedLeadWriter(RayWriter):
                 if isinstance(answer, dict):
                     for r in answer.get("lost_ranks") or []:
                         broken.setdefault(int(r), str(answer.get("refused")))
-            for r in range(1, self.trainer_ranks):  # a rank that reported an error of its
-                if r in broken and r not in dones:  # own is alive: the relays' answers say
-                    return r, broken[r]  # what failed (a dead actor, a corrupted chunk)
-            if len(dones) >= self.trainer_ranks - 1 and len(ready) == len(refs):
-                if broken:  # every rank reported, yet a stream broke: blame its rank
-                    r = min(broken)
-                    return r, broken[r]
-                return None, ""
-            if stop is not None and time.monotonic() >= stop:
+            for r in range(1, self.trainer_ranks):  # a rank that reported is alive
+                if r in broken and r not in dones:
+                    return r, broken[r], []
+            finished = len(dones) >= self.trainer_ranks - 1 and len(ready) == len(refs)
+            if not finished and stop is not None and time.monotonic() >= stop:
                 missing = [r for r in range(1, self.trainer_ranks) if r not in dones]
                 if missing:
                     return missing[0], (f"it did not finish its part within {deadline} "
-                                        "(dead, stopped or too slow)")
-                return None, ""  # the ranks are done; the actors are judged as usual
+                                        "(dead, stopped or too slow)"), []
+                finished = True  # the ranks are done; the actors are judged as usual
+            if finished:
+                failures = [f"trainer rank {r}: {d['error']}" for r, d in sorted(dones.items())
+                            if d.get("error")]
+                if self._own_error is not None:
+                    failures.insert(0, f"trainer rank 0: {self._own_error}")
+                failures += [f"a relay: {why}" for why in broken.values()]
+                return None, "", failures
             time.sleep(POLL_S)
 
     def _answers_after_failure(self, flight: _Flight, deadline: Deadline) -> None:
