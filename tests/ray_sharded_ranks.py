@@ -231,3 +231,56 @@ def local_shard_rank(rank: int, world: int, address: str, scheme: Any, names: li
     finally:
         dist.destroy_process_group()
         ray.shutdown()
+
+
+def restarted_rank(rank: int, world: int, address: str, scheme: Any, names: list[str],
+                   incarnation: int) -> dict[str, Any]:
+    """LocalShard rows of ``w`` (0..5 on rank 0, 5..8 on rank 1) and ``b`` (rank 0).
+    Rank 0 writes ``base + n`` into its rows and ``b`` for version n; rank 1 always
+    ``base``. Rank 1's first incarnation SIGKILLs itself inside version 1; rank 0's send
+    raises, then its next send (version 2) goes out once a new rank 1 joined."""
+    from weightsync.transports.ray import shard_stream
+
+    _connect_ray(address)
+    base = torch.arange(32.0).reshape(8, 4)
+    lo, hi = (0, 5) if rank == 0 else (5, 8)
+    block = base[lo:hi].clone()
+    weights = {"w": ws.LocalShard(block, (8, 4), (lo, 0)), "b": torch.full((4,), 7.0)}
+    if rank == 0:
+        shard_stream.CHUNK_BYTES = 16  # one row a chunk: rank 1 sends 3
+    elif incarnation == 0:
+        def die(version: int, index: int) -> None:
+            if version == 1 and index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        shard_stream.send_hook = die
+
+    def expected(n: int) -> dict[str, torch.Tensor]:
+        w = base.clone()
+        w[:5] += n
+        return {"w": w, "b": torch.full((4,), 7.0 + n)}
+
+    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
+    try:
+        with scheme.create_sender(handles, rank=rank) as sender:
+            sender.register_model(weights)
+            first = sender.connect(timeout=60)
+            if rank == 1:
+                if incarnation == 0:
+                    sender.send(timeout=60)  # dies in here
+                return {"connect": first, "joined_at": sender.writer.joined_at}
+            out: dict[str, Any] = {"connect": first}
+            block.add_(1.0)
+            weights["b"].fill_(8.0)
+            try:
+                sender.send(timeout=20)
+            except ws.TrainerRankLostError as exc:
+                out["error"], out["rank"] = type(exc).__name__, exc.rank
+            out["after_failure"] = _actor_states(names, expected(0))
+            block.add_(1.0)
+            weights["b"].fill_(9.0)
+            out["retry"] = sender.send(timeout=60)
+            out["after_retry"] = _actor_states(names, expected(2))
+            return out
+    finally:
+        ray.shutdown()

@@ -137,3 +137,29 @@ def _rank_fn(name):
     import ray_sharded_ranks
 
     return getattr(ray_sharded_ranks, name)
+
+
+def test_the_next_send_rebuilds_the_group_with_a_restarted_rank(ray_cluster, named_actors):
+    from sharded_ranks import RankGroup
+
+    scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=60)
+    names = named_actors(scheme, 2, "pair")
+    fn = _rank_fn("restarted_rank")
+    group = RankGroup()
+    try:
+        group.start(fn, 0, 2, ray_cluster, scheme, names, 0)
+        first = group.start(fn, 1, 2, ray_cluster, scheme, names, 0)
+        first.join(90)
+        assert first.exitcode is not None and first.exitcode < 0, first.exitcode  # SIGKILLed
+        group.start(fn, 1, 2, ray_cluster, scheme, names, 1)  # a new rank 1
+        rank0, rank1 = group.collect(120)
+    finally:
+        group.kill_all()
+    assert rank0.ok and rank1.ok, (rank0, rank1)
+    assert rank0.value["connect"] == 0
+    assert (rank0.value["error"], rank0.value["rank"]) == ("TrainerRankLostError", 1)
+    assert rank0.value["after_failure"] == [(0, 0.0), (0, 0.0)], rank0.value
+    # the new rank 1 joins after version 0, the newest committed, and writes version 2
+    assert rank1.value == {"connect": 2, "joined_at": 0}, rank1.value
+    assert rank0.value["retry"] == 2
+    assert rank0.value["after_retry"] == [(2, 0.0), (2, 0.0)], rank0.value

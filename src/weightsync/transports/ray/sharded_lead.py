@@ -141,6 +141,8 @@ class ShardedLeadWriter(RayWriter):
                 self._blame_join(version, exc)
                 raise
             silent = {w: why for w, why in silent.items() if w not in members.reported}
+            # a rank restarted meanwhile announced itself before it joined: check it now
+            self._check_ranks(layout, describe_regions(self._pieces), version, deadline)
         assert members.group is not None
         keep = [w for w in requested if w not in members.reported]
         dead |= {w: "not a member of the group" for w in keep

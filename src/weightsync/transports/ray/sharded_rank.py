@@ -84,7 +84,10 @@ class RankRayWriter:
                         f"appear within {deadline}: is rank 0 running, with the same "
                         "scheme?", rank=0) from None
                 time.sleep(deadline.slice(0.1))
-        self.joined_at = int(self._call("board", deadline)["committed"])
+        board = self._call("board", deadline)
+        self.joined_at = int(board["committed"])
+        if board["plan"] is not None and board["outcome"] is not None:
+            self._seen.add(str(board["plan"]["attempt"]))  # decided before this rank began
 
     def _call(self, method: str, deadline: Deadline, *args: Any) -> Any:
         """One call to the board; rank 0's rendezvous actor gone is rank 0 lost."""
@@ -151,10 +154,12 @@ class RankRayWriter:
         is raised: every rank's send fails the same way)."""
         while True:
             board = self._call("board", deadline)
-            info = board["info"]
-            if info is not None and int(info["generation"]) > self._tried_generation:
+            info, plan, outcome = board["info"], board["plan"], board["outcome"]
+            # a generation with no plan yet is being built (rank 0 waits for every rank);
+            # one that has a plan is in use or, failed, dead: never joined late
+            if info is not None and int(info["generation"]) > self._tried_generation and (
+                    plan is None or int(plan["generation"]) < int(info["generation"])):
                 self._join(info, deadline)
-            plan, outcome = board["plan"], board["outcome"]
             if plan is not None and int(plan["version"]) >= version \
                     and str(plan["attempt"]) not in self._seen:
                 if outcome is None:  # not a member of its generation: publish says so
