@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import ray
@@ -281,6 +282,53 @@ def restarted_rank(rank: int, world: int, address: str, scheme: Any, names: list
             weights["b"].fill_(9.0)
             out["retry"] = sender.send(timeout=60)
             out["after_retry"] = _actor_states(names, expected(2))
+            return out
+    finally:
+        ray.shutdown()
+
+
+def faulty_rank(rank: int, world: int, address: str, scheme: Any, names: list[str],
+                port: int, fault: str) -> dict[str, Any]:
+    """LocalShard rows as in :func:`restarted_rank`; inside version 1, rank 1 SIGSTOPs
+    itself (``fault="stop"``) or rank 0 SIGKILLs itself (``"kill0"``). Each surviving
+    rank returns the error its send raised and how long the send took. (The user's gloo
+    group only holds rank 0 back until rank 1 heard that version 0 was committed: a rank 0
+    that dies at once after committing leaves no one to tell it.)"""
+    import torch.distributed as dist
+
+    from weightsync.transports.ray import shard_stream
+
+    init_gloo(rank, world, port)
+    _connect_ray(address)
+    base = torch.arange(32.0).reshape(8, 4)
+    lo, hi = (0, 5) if rank == 0 else (5, 8)
+    block = base[lo:hi].clone()
+    weights = {"w": ws.LocalShard(block, (8, 4), (lo, 0)), "b": torch.full((4,), 7.0)}
+    if rank == 0:
+        shard_stream.CHUNK_BYTES = 16  # one row a chunk
+    faulty, how = (1, signal.SIGSTOP) if fault == "stop" else (0, signal.SIGKILL)
+    if rank == faulty:
+        def hook(version: int, index: int) -> None:
+            if version == 1 and index == 1:
+                os.kill(os.getpid(), how)
+
+        shard_stream.send_hook = hook
+    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
+    out: dict[str, Any] = {}
+    try:
+        with scheme.create_sender(handles, rank=rank) as sender:
+            sender.register_model(weights)
+            out["connect"] = sender.connect(timeout=60)
+            dist.barrier()
+            block.add_(1.0)
+            t0 = time.monotonic()
+            try:
+                sender.send(timeout=8 if rank == 0 else 20)
+            except ws.TrainerRankLostError as exc:
+                out["error"], out["rank"] = type(exc).__name__, exc.rank
+            out["seconds"] = time.monotonic() - t0
+            if rank == 0:
+                out["states"] = _actor_states(names, {"w": base, "b": torch.full((4,), 7.0)})
             return out
     finally:
         ray.shutdown()

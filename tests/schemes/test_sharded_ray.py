@@ -163,3 +163,38 @@ def test_the_next_send_rebuilds_the_group_with_a_restarted_rank(ray_cluster, nam
     assert rank1.value == {"connect": 2, "joined_at": 0}, rank1.value
     assert rank0.value["retry"] == 2
     assert rank0.value["after_retry"] == [(2, 0.0), (2, 0.0)], rank0.value
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill0"])
+def test_a_stopped_rank_or_a_dead_rank_0_is_named_within_the_deadline(
+        ray_cluster, named_actors, fault):
+    """Rank 1 SIGSTOPped mid-send: rank 0's send (timeout 8 s) raises
+    TrainerRankLostError(rank=1) within it. Rank 0 SIGKILLed mid-send: rank 1's raises
+    TrainerRankLostError(rank=0). Either way the actors keep version 0 exactly."""
+    import torch
+    from ray_sharded_ranks import NAMESPACE
+    from sharded_ranks import RankGroup
+
+    scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=60)
+    names = named_actors(scheme, 2, "pair")
+    survivor = 0 if fault == "stop" else 1
+    group, port = RankGroup(), free_port()
+    try:
+        for rank in (0, 1):
+            group.start(_rank_fn("faulty_rank"), rank, 2, ray_cluster, scheme, names, port,
+                        fault)
+        [outcome] = group.collect(90, ranks=[survivor])
+    finally:
+        group.kill_all()
+    assert outcome.ok, (outcome, outcome.traceback)
+    assert outcome.value["connect"] == 0
+    assert (outcome.value["error"], outcome.value["rank"]) == ("TrainerRankLostError",
+                                                               1 - survivor), outcome.value
+    assert outcome.value["seconds"] < (8.5 if survivor == 0 else 20.5), outcome.value
+    expected = {"w": torch.arange(32.0).reshape(8, 4), "b": torch.full((4,), 7.0)}
+    for name in names:
+        version, state = ray.get(ray.get_actor(name, namespace=NAMESPACE).weights.remote(),
+                                 timeout=30)
+        assert version == 0, (name, version)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)

@@ -192,8 +192,16 @@ def receive_pieces(group: WeightGroup, layout: Layout, views: Mapping[str, torch
     size = max((c.nbytes for plan in plans.values() for c in plan), default=0)
     _buffers = {(rank, slot): torch.empty(size, dtype=torch.uint8)
                 for rank in plans for slot in (0, 1)}
+    def fail(rank: int, exc: RuntimeError) -> None:
+        failed[rank] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        posted[rank] = []
+
     for rank, plan in plans.items():
-        posted[rank] = [post(rank, 0, 0)] if plan else []
+        posted[rank] = []
+        try:
+            posted[rank] = [post(rank, 0, 0)] if plan else []
+        except RuntimeError as exc:  # the group broke before this rank's stream began
+            fail(rank, exc)
     bad: list[str] = []
     while any(posted.values()):
         for rank in sorted(posted):
@@ -204,13 +212,12 @@ def receive_pieces(group: WeightGroup, layout: Layout, views: Mapping[str, torch
             try:
                 for work in current.works:
                     _wait(work, timeout)
-            except RuntimeError as exc:
-                failed[rank] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                posted[rank] = []
+                nxt = current.index + 1
+                if nxt < len(plan):  # the next chunk lands while this one is checked
+                    posted[rank].append(post(rank, nxt, nxt % 2))
+            except RuntimeError as exc:  # (a broken pair can close the others: all named)
+                fail(rank, exc)
                 continue
-            nxt = current.index + 1
-            if nxt < len(plan):  # the next chunk lands while this one is checked
-                posted[rank].append(post(rank, nxt, nxt % 2))
             chunk = plan[current.index]
             nbytes, want = (int(v) for v in current.header.tolist())
             if hook is not None:
