@@ -58,28 +58,36 @@ def _run(rank: int, world: int, directory: Path, model: nn.Module, reader_model:
     return {"versions": versions, "diffs": diffs}
 
 
-def fsdp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> dict[str, Any]:
-    """FSDP2 (``fully_shard`` per layer and at the root) trained with SGD on CPU/gloo."""
-    import torch.distributed as dist
+def fsdp_mlp(rank: int, world: int) -> tuple[nn.Module, Any]:
+    """The :func:`mlp` under FSDP2 (``fully_shard`` per layer and at the root, in this
+    rank's gloo group) and ``train(step)``: one SGD step on this rank's batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    torch.manual_seed(0)
+    model = mlp()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(step: int) -> None:
+        x = torch.randn(8, 10, generator=torch.Generator().manual_seed(step + rank))
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, train
+
+
+def fsdp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` per layer and at the root) trained with SGD on CPU/gloo."""
+    import torch.distributed as dist
+
     init_gloo(rank, world, port)
     try:
-        torch.manual_seed(0)
-        model = mlp()
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def train(step: int) -> None:
-            x = torch.randn(8, 10, generator=torch.Generator().manual_seed(step + rank))
-            model(x).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
+        model, train = fsdp_mlp(rank, world)
         return _run(rank, world, directory, model, mlp(), steps, train)
     finally:
         dist.destroy_process_group()

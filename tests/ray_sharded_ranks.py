@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 import torch
-from dtensor_ranks import mlp, tp_model
+from dtensor_ranks import fsdp_mlp, mlp, tp_model
 from sharded_ranks import init_gloo
 from torch import nn
 
@@ -76,27 +76,6 @@ def _actor_states(names: list[str], full: dict[str, torch.Tensor]) -> list[tuple
     return out
 
 
-def _fsdp(rank: int, world: int) -> tuple[nn.Module, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = mlp()
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def train(step: int) -> None:
-        x = torch.randn(8, 10, generator=torch.Generator().manual_seed(step + rank))
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return model, train
-
-
 def _tp(rank: int, world: int) -> tuple[nn.Module, Any]:
     """A colwise (``Shard(0)``) and a rowwise (``Shard(1)``) Linear and a replicated norm."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,7 +120,7 @@ def trainer_rank(rank: int, world: int, address: str, scheme: Any, names: list[s
     init_gloo(rank, world, port)
     _connect_ray(address)
     try:
-        model, update = _fsdp(rank, world) if kind == "fsdp" else _tp(rank, world)
+        model, update = fsdp_mlp(rank, world) if kind == "fsdp" else _tp(rank, world)
         handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
         versions, states = [], []
         with scheme.create_sender(handles, rank=rank) as sender:
@@ -177,7 +156,7 @@ def killed_rank(rank: int, world: int, address: str, scheme: Any, names: list[st
                 os.kill(os.getpid(), signal.SIGKILL)
 
         shard_stream.send_hook = die
-    model, _train = _fsdp(rank, world)
+    model, _train = fsdp_mlp(rank, world)
     update = _local_update(model)
     handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names] if rank == 0 else None
     sender = scheme.create_sender(handles, rank=rank)

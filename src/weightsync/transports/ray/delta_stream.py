@@ -14,7 +14,6 @@ it, and only then makes it its new base: a mismatch refuses the version
 
 from __future__ import annotations
 
-import datetime
 import logging
 import secrets
 import threading
@@ -35,6 +34,7 @@ from weightsync.transports.ray.group import (
     bucket_buffers,
     wire_checksum,
 )
+from weightsync.transports.ray.p2p import live_pg, signed, wait_work
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +44,6 @@ ChunkHook = Callable[[list[torch.Tensor]], None]
 #: threads that encode chunks ahead of the one on the wire (zstd and torch release the GIL)
 ENCODE_THREADS = 2
 _Encoded = tuple[int, int, dict[str | None, tuple[int, torch.Tensor]]]
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _wait(work: Any, timeout: float | None) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
-
-
-def _pg(group: WeightGroup) -> Any:
-    if group.pg is None:
-        raise RuntimeError(f"group generation {group.info.generation} is closed")
-    return group.pg
 
 
 @dataclass
@@ -146,7 +129,7 @@ class DeltaSender:
             if encoder is None:
                 encoder = self._local.encoder = DeltaEncoder()
             encoded[base_id] = encoder.encode(piece, base)
-        return index, _signed(wire_checksum(piece)), encoded
+        return index, signed(wire_checksum(piece)), encoded
 
     def send(self, group: WeightGroup, targets: Mapping[int, str | None],
              timeout: float | None, fill: FillChunk | None = None) -> WireFigures:
@@ -156,7 +139,7 @@ class DeltaSender:
         packs each chunk of the snapshot just before it is encoded (every chunk, even with
         no target), so the pack overlaps the encoding and the wire."""
         assert self.latest is not None
-        pg, figures = _pg(group), WireFigures()
+        pg, figures = live_pg(group), WireFigures()
         pieces = _chunks(bucket_buffers(self.layout, self.latest.buffers))
         if not targets:
             if fill is not None:
@@ -187,7 +170,7 @@ class DeltaSender:
                 figures.chunks += 1
                 figures.delta_chunks += kind != WHOLE
         for work in works:
-            _wait(work, timeout)
+            wait_work(work, timeout)
         return figures
 
     def close(self) -> None:
@@ -214,7 +197,7 @@ class DeltaReceiver:
         """Take the stream of ``version`` (``plan``: its ``id`` and the ``base`` id it is
         encoded against) into ``buffers``, verify every chunk, and make it the base;
         IntegrityError naming the chunks that do not match (the base is kept)."""
-        pg = _pg(group)
+        pg = live_pg(group)
         self._settle()
         pieces = _chunks(bucket_buffers(self.layout, buffers))
         usable = plan.get("base") is not None and plan.get("base") == self.base_id
@@ -227,7 +210,7 @@ class DeltaReceiver:
         for index in range(len(pieces) + 1):
             arriving = None
             if index < len(pieces):  # post chunk index's payload, then rebuild the one before
-                _wait(heads[index], timeout)
+                wait_work(heads[index], timeout)
                 kind, size, want = (int(v) for v in headers[index].tolist())
                 target = (pieces[index] if kind == WHOLE and size == pieces[index].numel()
                           else self._payload(index % 2, size))
@@ -236,12 +219,12 @@ class DeltaReceiver:
             if pending is not None:
                 done, kind, work, payload, want = pending
                 if work is not None:
-                    _wait(work, timeout)
+                    wait_work(work, timeout)
                 why = self._rebuild(done, kind, payload, pieces[done], bases)
                 if why is None:
                     if hook is not None:
                         hook([pieces[done]])
-                    if _signed(wire_checksum(pieces[done])) != want:
+                    if signed(wire_checksum(pieces[done])) != want:
                         why = "its checksum differs from the sender's"
                 if why is not None:
                     bad.append((done, why))

@@ -19,7 +19,6 @@ from rank r would make every other trainer rank receive r's shard (a gather).
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from weightsync.core.errors import IntegrityError, WeightSyncError
 from weightsync.core.layout import Layout
 from weightsync.core.shards import ShardPiece
 from weightsync.transports.ray.group import WeightGroup, wire_checksum
+from weightsync.transports.ray.p2p import live_pg, signed, wait_work
 
 logger = logging.getLogger(__name__)
 
@@ -99,26 +99,13 @@ def chunk_plan(layout: Layout, regions: Mapping[str, Sequence[int]],
     return chunks
 
 
-def _wait(work: Any, timeout: float | None) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
-
-
-def _pg(group: WeightGroup) -> Any:
-    if group.pg is None:
-        raise RuntimeError(f"group generation {group.info.generation} is closed")
-    return group.pg
-
-
 def send_pieces(group: WeightGroup, pieces: Sequence[ShardPiece], layout: Layout,
                 regions: Mapping[str, Sequence[int]], relays: Sequence[int], version: int,
                 timeout: float | None, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Send this rank's ``pieces`` (announced as ``regions``) to every group rank in
     ``relays``, chunk by chunk, each chunk to all relays at once; returns the payload bytes
     sent. Raises RuntimeError if the group fails or ``timeout`` runs out."""
-    pg = _pg(group)
+    pg = live_pg(group)
     by_name = {p.name: p for p in pieces}
     plan = chunk_plan(layout, regions, chunk_bytes)
     in_flight: list[tuple[Any, list[torch.Tensor]]] = []
@@ -136,7 +123,7 @@ def send_pieces(group: WeightGroup, pieces: Sequence[ShardPiece], layout: Layout
         if payload.numel() != chunk.nbytes:
             raise WeightSyncError(f"key {chunk.name!r}: chunk {index} of version {version} has "
                                   f"{payload.numel()} bytes, the plan says {chunk.nbytes}")
-        header = torch.tensor([chunk.nbytes, _signed(wire_checksum(payload))], dtype=torch.int64)
+        header = torch.tensor([chunk.nbytes, signed(wire_checksum(payload))], dtype=torch.int64)
         works = []
         for relay in relays:
             works.append(pg.send([header], relay, 2 * index))
@@ -145,15 +132,11 @@ def send_pieces(group: WeightGroup, pieces: Sequence[ShardPiece], layout: Layout
         sent += payload.numel() * len(relays)
         if len(in_flight) > WINDOW:
             for work in in_flight.pop(0)[0]:
-                _wait(work, timeout)
+                wait_work(work, timeout)
     for works, _alive in in_flight:
         for work in works:
-            _wait(work, timeout)
+            wait_work(work, timeout)
     return sent
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 @dataclass
@@ -174,7 +157,7 @@ def receive_pieces(group: WeightGroup, layout: Layout, views: Mapping[str, torch
     :class:`StreamFailed` naming the ranks whose stream broke (after waiting for the
     others, so that the ranks named are the ones at fault), :class:`IntegrityError` if a
     chunk does not match its checksum."""
-    pg = _pg(group)
+    pg = live_pg(group)
     plans = {rank: chunk_plan(layout, regions, chunk_bytes)
              for rank, regions in regions_by_rank.items()}
     posted: dict[int, list[_Posted]] = {}
@@ -211,7 +194,7 @@ def receive_pieces(group: WeightGroup, layout: Layout, views: Mapping[str, torch
             plan = plans[rank]
             try:
                 for work in current.works:
-                    _wait(work, timeout)
+                    wait_work(work, timeout)
                 nxt = current.index + 1
                 if nxt < len(plan):  # the next chunk lands while this one is checked
                     posted[rank].append(post(rank, nxt, nxt % 2))
