@@ -19,6 +19,7 @@ import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,20 +158,28 @@ class DeltaSender:
             for i, piece in enumerate(pieces)]
         works: list[Any] = []
         alive: list[torch.Tensor] = []  # payloads and headers, until their sends complete
-        for future in futures:
-            index, checksum, encoded = future.result()
-            for rank, base in targets.items():
-                kind, payload = encoded[base if base in encoded else None]
-                header = torch.tensor([kind, payload.numel(), checksum], dtype=torch.int64)
-                alive += [header, payload]
-                works.append(pg.send([header], rank, 2 * index))
-                if payload.numel():
-                    works.append(pg.send([payload], rank, 2 * index + 1))
-                figures.wire_bytes += payload.numel() + header.numel() * 8
-                figures.chunks += 1
-                figures.delta_chunks += kind != WHOLE
-        for work in works:
-            wait_work(work, timeout)
+        try:
+            for future in futures:
+                index, checksum, encoded = future.result()
+                for rank, base in targets.items():
+                    kind, payload = encoded[base if base in encoded else None]
+                    header = torch.tensor([kind, payload.numel(), checksum], dtype=torch.int64)
+                    alive += [header, payload]
+                    works.append(pg.send([header], rank, 2 * index))
+                    if payload.numel():
+                        works.append(pg.send([payload], rank, 2 * index + 1))
+                    figures.wire_bytes += payload.numel() + header.numel() * 8
+                    figures.chunks += 1
+                    figures.delta_chunks += kind != WHOLE
+            for work in works:
+                wait_work(work, timeout)
+        except BaseException:
+            # a failed stream: no encode thread may still write (``fill``) into the
+            # snapshot once this returns (the caller then packs it whole)
+            for future in futures:
+                future.cancel()
+            wait_futures(futures)
+            raise
         return figures
 
     def close(self) -> None:
