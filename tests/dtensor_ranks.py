@@ -93,11 +93,10 @@ def fsdp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> 
         dist.destroy_process_group()
 
 
-def tp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> dict[str, Any]:
-    """Tensor parallel: a colwise (``Shard(0)``) and a rowwise (``Shard(1)``) Linear, their
-    biases ``Shard(0)`` / ``Replicate()``, and a LayerNorm replicated by ``distribute_tensor``;
-    sent cast to bfloat16."""
-    import torch.distributed as dist
+def tp_parallel(world: int) -> nn.Module:
+    """The :func:`tp_model` under tensor parallelism in this rank's gloo group: a colwise
+    (``Shard(0)``) and a rowwise (``Shard(1)``) Linear, their biases ``Shard(0)`` /
+    ``Replicate()``, and a LayerNorm replicated by ``distribute_tensor``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import (
@@ -106,16 +105,24 @@ def tp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> di
         parallelize_module,
     )
 
+    torch.manual_seed(0)
+    model = tp_model()
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    norm = model[3]
+    for name, param in list(norm.named_parameters()):
+        norm.register_parameter(name, nn.Parameter(
+            distribute_tensor(param.data, mesh, [Replicate()])))
+    return model
+
+
+def tp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> dict[str, Any]:
+    """Tensor parallel (:func:`tp_parallel`), sent cast to bfloat16."""
+    import torch.distributed as dist
+
     init_gloo(rank, world, port)
     try:
-        torch.manual_seed(0)
-        model = tp_model()
-        mesh = init_device_mesh("cpu", (world,))
-        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        norm = model[3]
-        for name, param in list(norm.named_parameters()):
-            norm.register_parameter(name, nn.Parameter(
-                distribute_tensor(param.data, mesh, [Replicate()])))
+        model = tp_parallel(world)
 
         @torch.no_grad()
         def update(step: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 import torch
-from dtensor_ranks import fsdp_mlp, mlp, tp_model
+from dtensor_ranks import fsdp_mlp, mlp, tp_model, tp_parallel
 from sharded_ranks import init_gloo
 from torch import nn
 
@@ -78,22 +78,7 @@ def _actor_states(names: list[str], full: dict[str, torch.Tensor]) -> list[tuple
 
 def _tp(rank: int, world: int) -> tuple[nn.Module, Any]:
     """A colwise (``Shard(0)``) and a rowwise (``Shard(1)``) Linear and a replicated norm."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    torch.manual_seed(0)
-    model = tp_model()
-    mesh = init_device_mesh("cpu", (world,))
-    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    norm = model[3]
-    for name, param in list(norm.named_parameters()):
-        norm.register_parameter(name, nn.Parameter(
-            distribute_tensor(param.data, mesh, [Replicate()])))
+    model = tp_parallel(world)
     return model, _local_update(model)
 
 

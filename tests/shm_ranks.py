@@ -5,6 +5,7 @@ queue, and a test talks to rank 0 through a second queue (go on / stop)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import queue
 import signal
@@ -18,6 +19,14 @@ import torch.multiprocessing as mp
 
 TIMEOUT = 60.0
 
+
+
+def _by_value(state: dict[str, torch.Tensor]) -> bytes:
+    """A state as bytes: a tensor put in a queue travels as a handle to this process's
+    shared memory, which is gone if the rank exits before the test reads it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 def tiny_model(how: str = "fsdp") -> torch.nn.Module:
     """FSDP2: uneven under 2 and 4 ranks (7 and 3 rows), the LayerNorm sharded too. Tensor
@@ -70,7 +79,7 @@ def rank_main(rank: int, world: int, port: int, scheme: Any, how: str, steps: in
         sender.register_model(model)
         version = sender.connect(timeout=TIMEOUT)
         state = full_state(model)
-        out.put(("version", rank, version, state if rank == 0 else None))
+        out.put(("version", rank, version, _by_value(state) if rank == 0 else None))
         for step in range(steps):
             if rank == 0 and go is not None:
                 go.get(timeout=TIMEOUT)
@@ -86,7 +95,7 @@ def rank_main(rank: int, world: int, port: int, scheme: Any, how: str, steps: in
             except Exception as exc:  # reported, then the rank carries on
                 out.put(("error", rank, type(exc).__name__, str(exc), getattr(exc, "rank", None)))
                 continue
-            out.put(("version", rank, version, state if rank == 0 else None))
+            out.put(("version", rank, version, _by_value(state) if rank == 0 else None))
         out.put(("done", rank))
         if hooks.get("linger"):
             time.sleep(hooks["linger"])
@@ -114,9 +123,12 @@ class Ranks:
 
     def next(self, rank: int, timeout: float = TIMEOUT) -> tuple[Any, ...]:
         try:
-            return self.outs[rank].get(timeout=timeout)
+            message = self.outs[rank].get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"rank {rank} said nothing within {timeout} s") from None
+        if message[0] == "version" and isinstance(message[3], bytes):
+            return (*message[:3], torch.load(io.BytesIO(message[3])))
+        return message
 
     def step(self) -> None:
         assert self.go is not None
@@ -236,9 +248,10 @@ class BlockRanks:
 
     def next(self, rank: int, timeout: float = TIMEOUT) -> tuple[Any, ...]:
         try:
-            return self.outs[rank].get(timeout=timeout)
+            message = self.outs[rank].get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"rank {rank} said nothing within {timeout} s") from None
+        return message
 
     def close(self) -> None:
         for p in self.procs.values():

@@ -59,3 +59,10 @@ class Deadline:
         """Seconds to wait next: the time left, capped at ``at_most`` (for polling loops)."""
         left = self.remaining()
         return at_most if left is None else min(at_most, left)
+
+    def ahead(self, fraction: float = 0.1, at_most: float = 1.0) -> Deadline:
+        """A deadline that ends earlier by ``fraction`` of the time left (at most
+        ``at_most`` seconds): a coordinator gives up on it first, so the processes waiting
+        on the whole deadline still hear why before theirs runs out."""
+        left = self.remaining()
+        return Deadline(None if left is None else max(0.0, left - min(at_most, fraction * left)))

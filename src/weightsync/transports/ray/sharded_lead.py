@@ -49,13 +49,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.02
 
 
-def margin(deadline: Deadline) -> float:
-    """What rank 0 keeps of its deadline so the other ranks hear its verdict before theirs
-    runs out: 10% of what is left, at most 1 s."""
-    left = deadline.remaining()
-    return 0.0 if left is None else min(1.0, 0.1 * left)
-
-
 class ShardedLeadWriter(RayWriter):
     """Rank 0 of ``trainer_ranks`` ranks: coordinates, and sends its own pieces."""
 
@@ -237,11 +230,10 @@ class ShardedLeadWriter(RayWriter):
                     deadline: Deadline) -> tuple[int | None, str, list[str]]:
         """Until every rank 1..N-1 reported and every relay answered: the first rank lost
         (a relay saw its stream break and it did not report done, or it is silent at the
-        deadline less :func:`margin`) with why, and what failed otherwise (a rank's own
+        deadline less a margin, ``Deadline.ahead``) with why, and what failed otherwise (a rank's own
         send, a relay's stream: the version cannot be whole)."""
         ray = self.members._ray
-        stop = None if deadline.remaining() is None else time.monotonic() + (
-            (deadline.remaining() or 0.0) - margin(deadline))
+        ahead = deadline.ahead()
         refs = list(flight.refs.values())
         while True:
             dones = self._board("get_dones", self._attempt, timeout=deadline.remaining())
@@ -259,7 +251,7 @@ class ShardedLeadWriter(RayWriter):
                 if r in broken and r not in dones:
                     return r, broken[r], []
             finished = len(dones) >= self.trainer_ranks - 1 and len(ready) == len(refs)
-            if not finished and stop is not None and time.monotonic() >= stop:
+            if not finished and ahead.expired():
                 missing = [r for r in range(1, self.trainer_ranks) if r not in dones]
                 if missing:
                     return missing[0], (f"it did not finish its part within {deadline} "

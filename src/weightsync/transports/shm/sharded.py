@@ -77,9 +77,7 @@ class RankZeroWriter:
         self._check_layouts(layout, describe_regions(pieces), deadline)
         self._seq += 1
         seq = self._seq
-        left = deadline.remaining()
-        answers_by = self._answers_by = Deadline(
-            None if left is None else max(0.0, left - min(_FAILURE_MARGIN_S, 0.1 * left)))
+        answers_by = self._answers_by = deadline.ahead(at_most=_FAILURE_MARGIN_S)
 
         def fill(slot: _Slot) -> None:
             lost = self.hub.tell({"t": "rank.write", "v": version, "slot": slot.index,
