@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightsync.transports.ray.delta import (
+from weightsync.transports.delta.codec import (
     KIND_NAMES,
     DeltaDecoder,
     DeltaEncoder,

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("zstandard")
 
-from weightsync.transports.ray import delta_sparse
-from weightsync.transports.ray.delta import (
+from weightsync.transports.delta import sparse as delta_sparse
+from weightsync.transports.delta.codec import (
     DELTA,
     SAME,
     SPARSE,

@@ -9,7 +9,7 @@ each send signals the actors through Ray and broadcasts the packed, checksummed 
 for all of them; actors stage what arrives and apply it at ``poll()``. Actors on the
 trainer's own node take each version out of shared memory instead (``node_local``).
 ``dtype`` casts the version as it is packed; ``delta`` sends each node on another host the
-difference from the version it holds (``transports/ray/delta*.py``). ``trainer_ranks > 1``:
+difference from the version it holds (``transports/delta/``). ``trainer_ranks > 1``:
 a sharded trainer, each rank sending its own shards point to point to every relay actor
 (``transports/ray/sharded_lead.py``, ``sharded_rank.py``, ``shard_stream.py``).
 """

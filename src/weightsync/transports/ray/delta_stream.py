@@ -27,7 +27,7 @@ import torch
 
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
-from weightsync.transports.ray.delta import DELTA, SAME, SPARSE, WHOLE, DeltaDecoder, DeltaEncoder
+from weightsync.transports.delta.codec import DELTA, SAME, SPARSE, WHOLE, DeltaDecoder, DeltaEncoder
 from weightsync.transports.ray.group import (
     FillChunk,
     WeightGroup,

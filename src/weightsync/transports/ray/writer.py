@@ -31,8 +31,8 @@ from weightsync.core.endpoints import Losses
 from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError, WorkerLostError
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.delta.codec import check_available
 from weightsync.transports.ray.answers import Answers
-from weightsync.transports.ray.delta import check_available
 from weightsync.transports.ray.delta_stream import DeltaSender, WireFigures
 from weightsync.transports.ray.group import FillChunk, _chunks, bucket_buffers, wire_device
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share

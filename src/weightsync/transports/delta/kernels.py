@@ -1,5 +1,5 @@
-"""The numba kernels of the sparse delta format (``delta_sparse``), compiled where numba is
-installed: this module imports numba, so only ``delta_sparse._kernels`` imports it.
+"""The numba kernels of the sparse delta format (``delta.sparse``), compiled where numba is
+installed: this module imports numba, so only ``delta.sparse._kernels`` imports it.
 
 The encoder finds the changed 16-bit words without a branch per word: for each block of 16
 64-bit words it builds a 64-bit mask of the nonzero lanes of their XOR (a SWAR test per
@@ -22,7 +22,7 @@ from numba.extending import intrinsic  # type: ignore[import-untyped, unused-ign
 
 #: 64-bit words per block (64 16-bit lanes: one bit each in the block's mask)
 BLOCK_WORDS = 16
-#: the most bytes one block writes: 64 changes of at most 8 bytes (see ``delta_sparse``)
+#: the most bytes one block writes: 64 changes of at most 8 bytes (see ``delta.sparse``)
 BLOCK_BYTES = 64 * 8
 
 

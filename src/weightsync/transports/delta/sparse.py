@@ -9,7 +9,7 @@ mantissa bits, so both usually fit one byte: ~2 bytes a change, zstd's size, wri
 pass over the chunk.
 
 The passes run as numba kernels (``nogil``: the encode threads run side by side; the
-encoder is ``delta_kernels.encode_blocks``, which skips unchanged words without a branch per
+encoder is ``delta.kernels.encode_blocks``, which skips unchanged words without a branch per
 word) when numba is installed; without it the sender keeps to zstd (``delta.py``) and the receiver decodes
 with :func:`decode_numpy`, so either side may lack numba. Chunks whose size is not a
 multiple of 8 bytes or whose buffers are not 8-byte aligned are never encoded this way.
@@ -77,7 +77,7 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
     try:
         import numba  # type: ignore[import-untyped, unused-ignore]
 
-        from weightsync.transports.ray import delta_kernels
+        from weightsync.transports.delta import kernels as delta_kernels
     except ImportError:
         return None
     try:

@@ -1,5 +1,6 @@
-"""The delta codec of the Ray scheme's cross-host path: one chunk of a packed version as the
-difference from the same chunk of the version the receiving node holds.
+"""The delta codec of the cross-host paths (Ray, the network path to vLLM servers): one
+chunk of a packed version as the difference from the same chunk of the version the
+receiving node holds.
 
 A chunk goes as one of three kinds. ``SAME``: no byte changed, nothing crosses. ``DELTA``:
 the XOR of the new chunk with the base chunk (zero wherever a word is unchanged, as most
@@ -10,7 +11,7 @@ large one: compressing would cost more time than it saves) or the compressed del
 not be smaller. The receiver XORs the delta back onto its base;
 the result is verified against the sender's checksum of the new chunk (``delta_stream``).
 ``SPARSE``: where numba is installed, a delta goes first as (gap, XOR) varints of the
-changed 16-bit words (``delta_sparse``): ~zstd's size at several times its speed; zstd
+changed 16-bit words (``delta.sparse``): ~zstd's size at several times its speed; zstd
 stays the sender's choice without numba or when too many words changed for that format.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from weightsync.transports.ray import delta_sparse
+from weightsync.transports.delta import sparse as delta_sparse
 
 #: chunk kinds, as they travel in each chunk's header
 WHOLE, DELTA, SAME, SPARSE = 0, 1, 2, 3
