@@ -28,6 +28,14 @@ def test_a_registered_class_is_selectable_by_name():
     assert scheme_class("shm-alias") is ws.SharedMemWeightSyncScheme
 
 
+def test_a_taken_name_is_refused_and_keeps_its_class():
+    with pytest.raises(ValueError, match="'shm' is already registered"):
+        register_scheme("shm", ws.MultiProcessWeightSyncScheme)
+    with pytest.raises(ValueError, match="already registered"):
+        register_scheme("shm", ws.SharedMemWeightSyncScheme)
+    assert scheme_class("shm") is ws.SharedMemWeightSyncScheme
+
+
 def test_looking_up_a_name_imports_nothing_else():
     code = (
         "import sys, weightsync.schemes.registry as r; r.scheme_names(); "

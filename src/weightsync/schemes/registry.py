@@ -20,10 +20,20 @@ _SCHEMES: dict[str, str] = {
 
 
 def register_scheme(name: str, target: str | type) -> None:
-    """Make ``name`` select ``target`` (a class, or ``"module:Class"`` imported on use)."""
+    """Make ``name`` select ``target`` (a class, or ``"module:Class"`` imported on use).
+
+    A name is registered once: a second registration raises ``ValueError`` rather than
+    silently changing what code elsewhere gets for that name (vLLM's factories do the same).
+    """
     if not name or not isinstance(name, str):
         raise ValueError(f"a scheme name must be a non-empty str, got {name!r}")
-    _SCHEMES[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    spec = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    if name in _SCHEMES:
+        raise ValueError(
+            f"scheme name {name!r} is already registered (to {_SCHEMES[name]}); "
+            f"pick another name for {spec}"
+        )
+    _SCHEMES[name] = spec
 
 
 def scheme_names() -> list[str]:

@@ -7,18 +7,27 @@ import logging
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torchrl.collectors.weight_update import WeightUpdaterBase
 
-if TYPE_CHECKING:
-    from weightsync.integrations.torchrl.llm import (
-        VLLMDoubleBufferSyncScheme,
-        VLLMDoubleBufferWeightSender,
-    )
-
 logger = logging.getLogger(__name__)
+
+
+class EngineScheme(Protocol):
+    """What the updater needs of ``llm.VLLMDoubleBufferSyncScheme`` (named here as a
+    protocol, so that this module does not import the one that re-exports it)."""
+
+    timeout: float
+
+    def create_receiver(self, vllm_engine: Any) -> Any: ...
+
+
+class Committer(Protocol):
+    """What the updater needs of ``llm.VLLMDoubleBufferWeightSender``."""
+
+    def update_weights(self, weights: Any = None) -> Any: ...
 
 
 with warnings.catch_warnings():  # TorchRL deprecates subclassing; LLMCollector still needs it
@@ -32,8 +41,8 @@ with warnings.catch_warnings():  # TorchRL deprecates subclassing; LLMCollector 
 
         ``update_policy_weights_(weights)`` first commits ``weights`` (needs ``sender=``)."""
 
-        def __init__(self, scheme: VLLMDoubleBufferSyncScheme, vllm_engine: Any, *,
-                     sender: VLLMDoubleBufferWeightSender | None = None,
+        def __init__(self, scheme: EngineScheme, vllm_engine: Any, *,
+                     sender: Committer | None = None,
                      timeout: float | None = None) -> None:
             self.scheme = scheme
             self.receiver = scheme.create_receiver(vllm_engine)

@@ -3,7 +3,7 @@
 Each message is a JSON header, an optional raw payload (tensor bytes, never pickled) and
 optional file descriptors (shared-memory segments). Every wait has a deadline, and one
 thread may send while another receives. Addresses, listeners and connecting are in
-``local_address``.
+``local.address``.
 """
 
 from __future__ import annotations

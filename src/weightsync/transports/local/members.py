@@ -1,6 +1,6 @@
 """Who is connected to a same-host trainer: the hub's owner on the trainer's side.
 
-:class:`Members` is handed the authenticated workers by the hub (``local_hub.py``) and keeps,
+:class:`Members` is handed the authenticated workers by the hub (``local.hub``) and keeps,
 for each worker index, its channel, its process watch and the version it confirmed. It
 tells the transport that holds it of joins and losses through two callbacks (events, not
 subclass hooks), and answers the waits of the send lifecycle: until targets confirmed a

@@ -8,7 +8,7 @@ the transfers overlap. A snapshot is never rewritten while a streamer reads it; 
 grows (up to a cap) instead of waiting for a slow reader.
 
 On Linux the bytes go through a pipe per worker that maps the snapshot's pages instead of
-copying them (see ``mp_pipe``): the worker's read is the only copy, where the socket makes
+copying them (see ``mp.pipe``): the worker's read is the only copy, where the socket makes
 two, which leaves the trainer's core to the pack. The socket carries the headers, and the
 bytes too where no such pipe can be made.
 """

@@ -1,11 +1,11 @@
 """RayTransport (TorchRL's RayTransport API): Ray carries the signals, a torch.distributed group the bytes.
 
-The group (``ray_group``) is weightsync's own, never the user's default process group.
+The group (``ray.group``) is weightsync's own, never the user's default process group.
 Rank 0 is the sender; worker ``i`` is rank ``i + 1`` unless the group was rebuilt
 without some workers, in which case the rendezvous info maps worker indices to ranks.
 Weights cross as packed buckets, one ``broadcast`` per bucket for all workers, each with a
 checksum verified on arrival. Actors on the sender's own node take the node-local path
-(``ray_local``) instead.
+(``ray.node_local``) instead.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A worker taking the newest version out of the shared slots, at its own call.
 
 Copy mode copies the slot into the model. When the slot is still being packed, the copy
-follows the sender piece by piece, a few megabytes behind (see ``shm_slots``), so the
+follows the sender piece by piece, a few megabytes behind (see ``shm.slots``), so the
 worker holds the version moments after the pack ends instead of one more full copy later
 (a slot packed in one go, small or on a GPU, is waited for only within the call's
 deadline: ``poll()`` then keeps the old version and the next call takes the new one).

@@ -1,6 +1,6 @@
 """The SharedMem transport's two ends as the send lifecycle drives them.
 
-:class:`SharedMemWriter`: workers admitted by the hub (``local_members.py``) are attached to
+:class:`SharedMemWriter`: workers admitted by the hub (``local.members``) are attached to
 the shared slots; a version is published by one packed write into a free slot, and that
 is delivery: a worker's next ``poll()`` takes it. Workers blocked in ``receive()`` are
 woken all at once through the control block's ring word (``futex``).

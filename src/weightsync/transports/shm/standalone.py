@@ -17,8 +17,8 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local.channel import Channel, ChannelClosed, Message
 
 
-class SharedMemTransport(Protocol):
-    """What the pipe flow uses of ``transports.shared_mem.SharedMemTransport`` (named here
+class StandaloneTransport(Protocol):
+    """What the pipe flow uses of ``transports.shm.transport.SharedMemTransport`` (named here
     so that this module does not import the one that imports it)."""
 
     _receiver_versions: dict[str, int]
@@ -38,7 +38,7 @@ class SharedMemTransport(Protocol):
                      pump: Callable[[float], None] | None = None) -> int | None: ...
 
 
-def pump(transport: SharedMemTransport, channel: Channel | None, timeout: float) -> None:
+def pump(transport: StandaloneTransport, channel: Channel | None, timeout: float) -> None:
     """Take every segment message waiting on ``channel`` (for up to ``timeout`` for the first)."""
     if channel is None:
         return
@@ -52,7 +52,7 @@ def pump(transport: SharedMemTransport, channel: Channel | None, timeout: float)
         timeout = 0.0
 
 
-def first_weights(transport: SharedMemTransport, worker_idx: int, target: Any,
+def first_weights(transport: StandaloneTransport, worker_idx: int, target: Any,
                   strategy: WeightStrategy | None, deadline: Deadline, model_id: str) -> Any:
     """Wait for the segments and the first version, apply it to ``target``, return it."""
     transport.wait_for_model(model_id, deadline, pump=transport._pump)
@@ -63,7 +63,7 @@ def first_weights(transport: SharedMemTransport, worker_idx: int, target: Any,
     return newest_weights(transport, worker_idx, target, strategy, deadline, model_id)
 
 
-def newest_weights(transport: SharedMemTransport, worker_idx: int, target: Any,
+def newest_weights(transport: StandaloneTransport, worker_idx: int, target: Any,
                    strategy: WeightStrategy | None, deadline: Deadline, model_id: str) -> Any | None:
     """Apply the newest version to ``target`` if newer than the one it holds; the weights
     as ``strategy`` extracts them, or None if there was nothing newer."""

@@ -3,11 +3,11 @@
 The sender keeps a small pool of slots, each a full packed copy of the weights in a
 shared segment (a CUDA buffer shared by CUDA IPC for GPU tensors). A send takes a slot no
 worker uses, points the chosen workers at it through a shared control block and packs the
-weights there piece by piece (``shm_slots``). A worker applies a version at its own call by
+weights there piece by piece (``shm.slots``). A worker applies a version at its own call by
 copying its slot into its model, following the pack if it is still running, or by viewing
 a completely packed slot (zero-copy), under a shared ``fcntl`` lock on that slot, which the
 sender's exclusive lock respects and which the kernel drops if the worker dies
-(``shm_apply``). Segments and slot handles travel lazily over the workers' pipes on the
+(``shm.apply``). Segments and slot handles travel lazily over the workers' pipes on the
 first send, so workers may start before any weights exist.
 
 The receiver side's methods are in ``transport_receiver.py``, mixed into the class here.
@@ -193,7 +193,7 @@ class SharedMemTransport(_ReceiverSide):
         """Write already-checked flat weights as ``version`` for ``worker_ids`` (None: every
         attached worker), creating the model's slots on first use. The schemes call this
         after their own validation, so a send checks its input once. The version is
-        published in a free slot, then packed there piece by piece (``shm_slots``)."""
+        published in a free slot, then packed there piece by piece (``shm.slots``)."""
         deadline = Deadline(timeout)
         with self._lock:
             model = self._models.get(model_id) or self._create_model(

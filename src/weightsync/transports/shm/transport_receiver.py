@@ -132,7 +132,7 @@ class _ReceiverSide:
         """Copy the newest version published for ``worker_idx`` into ``dest`` if it is newer
         than ``held_version``; returns it, or None if there is nothing newer (or its slot's
         handle has not arrived by ``deadline``). A version still being packed is copied as
-        the sender packs it (see ``shm_apply``): the call lasts about one copy either way."""
+        the sender packs it (see ``shm.apply``): the call lasts about one copy either way."""
         model = self._receiver_models[model_id]
         self._worker_idx = worker_idx
         model.record_opened(worker_idx)
@@ -145,7 +145,7 @@ class _ReceiverSide:
     ) -> int | None:
         """Zero-copy apply: point every tensor of ``dest`` (``.data``) at read-only views
         into the newest slot published for ``worker_idx``, if newer than ``held_version`` and
-        completely packed by ``deadline`` (see ``shm_apply.adopt_newest``)."""
+        completely packed by ``deadline`` (see ``shm.apply.adopt_newest``)."""
         self._adopts = True  # from now on, a version still being packed is not "published"
         model = self._receiver_models[model_id]
         self._worker_idx = worker_idx

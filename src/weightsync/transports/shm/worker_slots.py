@@ -50,11 +50,11 @@ class _ReceiverModel:
         self._opened_bits = 0  # CUDA slots mapped here (their consumer count holds our one)
         self._recorded: tuple[int, int] | None = None  # (worker, bits) written to ctrl
         #: copy mode: (target, bytes packed) of a pack given up as stalled; not followed
-        #: again while both stay the same (see ``shm_apply``)
+        #: again while both stay the same (see ``shm.apply``)
         self.stalled: tuple[int, int] | None = None
         #: zero-copy: the tensors whose ``.data`` views ``held_slot`` (a forked child makes
         #: them private), and the read ends of pipes whose write ends forked children close
-        #: once they hold their own lock on that slot (see ``shm_apply``)
+        #: once they hold their own lock on that slot (see ``shm.apply``)
         self.adopted: list[torch.Tensor] = []
         self.fork_pipes: list[int] = []
         self.fork_write_end: int | None = None  # the current fork's, between its two halves
