@@ -62,6 +62,20 @@ class Collector(RayWeightReceiverMixin):
 
         RayTransport.wire_hook = flip if on else None
 
+    def damage_wire(self, kind):
+        """Damage every bucket chunk this actor receives from now on as ``kind`` of
+        ``slot_damage`` does (a swap or compensating pair a word sum misses); None: stop."""
+        from slot_damage import NEEDS, damage_tensor
+
+        from weightsync.transports.ray.transport import RayTransport
+
+        def damage(buffers):
+            for buffer in buffers:
+                if buffer.numel() * buffer.element_size() >= NEEDS:
+                    damage_tensor(buffer, kind)
+
+        RayTransport.wire_hook = damage if kind else None
+
     def poll_error(self):
         try:
             self.weightsync_receiver.poll()
@@ -186,6 +200,22 @@ class DeltaCollector(RayWeightReceiverMixin):
 
     def path(self):
         return self.weightsync_receiver.path
+
+    def damage_next_base(self, kind):
+        """Damage the base chunk the next delta is rebuilt on (once), as ``kind`` of
+        ``slot_damage`` does: a swap or compensating pair in this host's copy."""
+        from slot_damage import damage_tensor
+
+        from weightsync.transports.ray import delta_stream
+
+        original = delta_stream.DeltaDecoder.decode
+
+        def decode(decoder, chunk_kind, payload, base, out):
+            delta_stream.DeltaDecoder.decode = original  # once
+            damage_tensor(base, kind)
+            original(decoder, chunk_kind, payload, base, out)
+
+        delta_stream.DeltaDecoder.decode = decode
 
     def corrupt_next_delta(self):
         """Flip one byte of the next delta chunk this actor rebuilds (once), before it is

@@ -14,6 +14,7 @@ import pytest
 import torch
 from dbuf_workers import hammer_reader, looping_sender
 from safetensors import safe_open
+from slot_damage import KINDS, damage_slot
 from workers import drain, echo_worker, make_model
 
 import weightsync as ws
@@ -230,6 +231,60 @@ def test_corrupt_slot_raises_integrity_error_and_keeps_version(directory, damage
         assert all(torch.equal(v, held[k]) for k, v in local.state_dict().items())
         receiver.close()
         fresh.close()
+
+
+def _random_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 64, generator=generator), "b": torch.randn(64, generator=generator)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_swapped_or_compensating_bytes_are_refused_and_nothing_is_applied(directory, kind):
+    """Damage a sum of 64-bit words cannot see (two 4 KiB pages or 256-byte rows swapped,
+    a +x/-x pair of words, the top bit of two words flipped) is an IntegrityError."""
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    with scheme.create_sender() as sender:
+        sender.register_model(_random_weights(0))
+        sender.update_weights()
+        local = _random_weights(1)
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(local)
+        receiver.connect(timeout=5)
+        held = {k: v.clone() for k, v in local.items()}
+        sender.update_weights(_random_weights(2))
+        damage_slot(slot_path(directory, manifest(directory)["latest"]["slot"]), kind, "w")
+        with pytest.raises(ws.IntegrityError, match="checksum mismatch"):
+            receiver.poll()
+        assert receiver.version == 0
+        assert all(torch.equal(v, held[k]) for k, v in local.items())
+        receiver.close()
+
+
+@pytest.mark.parametrize(("recorded", "message"), [
+    (None, "records no checksum function"),
+    ("lane32-weighted-v9", "records checksum function 'lane32-weighted-v9'"),
+])
+def test_a_manifest_of_another_checksum_function_is_refused(directory, recorded, message):
+    """A manifest from an older writer (no function named) or a newer one (a function this
+    reader does not know) fails clearly instead of a mismatch, or worse, a pass."""
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory)
+    with scheme.create_sender() as sender:
+        sender.register_model(_random_weights(0))
+        sender.update_weights()
+        obj = manifest(directory)
+        assert obj["checksum"] == "lane32-weighted-v1"
+        if recorded is None:
+            del obj["checksum"]
+        else:
+            obj["checksum"] = recorded
+        tmp = directory / (MANIFEST + ".new")
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, directory / MANIFEST)
+        receiver = scheme.create_receiver(0)
+        receiver.register_model(_random_weights(1))
+        with pytest.raises(ws.IntegrityError, match=message):
+            receiver.connect(timeout=2)
+        receiver.close()
 
 
 @pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/../../b", "C:evil"])

@@ -14,6 +14,7 @@ pytest.importorskip("zstandard")
 
 from multihost import TwoHostCluster, cluster_for_module  # noqa: E402
 from ray_actors import digest, tiny_transformer  # noqa: E402
+from slot_damage import KINDS  # noqa: E402
 
 import weightsync as ws  # noqa: E402
 
@@ -107,6 +108,31 @@ def test_corrupted_delta_at_the_relay_reaches_nobody_and_is_sent_whole(actors):
         assert figures["delta_refused"] == 1 and figures["chunks"] == 4, figures
         assert figures["wire_bytes"] > nbytes(model)  # the deltas, then the whole version
         assert states(group) == [(1, cast_digest(model))] * 3  # the follower too
+        step(model, optimizer)
+        assert sender.send(timeout=30) == 2
+        assert last(sender)["delta_chunks"] == 2 and last(sender)["delta_refused"] == 0
+        assert states(group) == [(2, cast_digest(model))] * 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_swapped_or_compensating_bytes_in_a_delta_base_are_refused_and_sent_whole(actors, kind):
+    """Host B's base damaged in a way a sum of 64-bit words misses: the delta rebuilt on it
+    fails its checksum, nobody applies it, the host gets the whole version in the same
+    send, and the next version goes as a delta again on the repaired base."""
+    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=30, dtype=BF16, delta=True)
+    group = actors(scheme, ["a", "b", "b"])
+    model = tiny_transformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        ray.get(group[1].damage_next_base.remote(kind))  # host B's relay
+        step(model, optimizer)
+        assert sender.send(timeout=30) == 1
+        figures = last(sender)
+        assert figures["delta_refused"] == 1, figures
+        assert figures["wire_bytes"] > nbytes(model)  # the deltas, then the whole version
+        assert states(group) == [(1, cast_digest(model))] * 3
         step(model, optimizer)
         assert sender.send(timeout=30) == 2
         assert last(sender)["delta_chunks"] == 2 and last(sender)["delta_refused"] == 0

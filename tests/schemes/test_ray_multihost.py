@@ -8,10 +8,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
 from multihost import TwoHostCluster, cluster_for_module  # noqa: E402
+from slot_damage import KINDS  # noqa: E402
 from workers import checksum, fill_all, make_model  # noqa: E402
 
 import weightsync as ws  # noqa: E402
@@ -50,6 +52,14 @@ def states(group):
 
 def paths(group):
     return ray.get([a.weightsync_path.remote() for a in group], timeout=30)
+
+
+def fill_random(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
 
 
 def world_size(scheme):
@@ -199,6 +209,30 @@ def test_corrupted_bucket_at_a_relay_reaches_no_follower(actors):
         assert sender.stats()["worker_lag"][2] == 1
         ray.get(group[1].corrupt_wire.remote(False))
         fill_all(model, 8.0)
+        assert sender.send(timeout=20) == 2
+        assert states(group) == [(2, checksum(model))] * 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_swapped_or_compensating_bytes_across_hosts_are_refused(actors, kind):
+    """Damage a sum of 64-bit words misses (pages, rows or words swapped, a +x/-x pair, two
+    top bits flipped) in the chunks host B's relay receives: applied by neither actor of
+    host B, which takes the next version whole."""
+    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=30)
+    group = actors(scheme, ["a", "b", "b"], width=1024)
+    model = make_model(1024)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        before = checksum(model)
+        assert states(group) == [(0, before)] * 3
+        ray.get(group[1].damage_wire.remote(kind))
+        fill_random(model, 1)  # pages and rows that differ, so that swapping them matters
+        assert sender.send(timeout=20) == 1
+        assert ray.get(group[1].poll_error.remote()) == "IntegrityError"
+        assert states(group) == [(1, checksum(model)), (0, before), (0, before)]
+        ray.get(group[1].damage_wire.remote(None))
+        fill_random(model, 2)
         assert sender.send(timeout=20) == 2
         assert states(group) == [(2, checksum(model))] * 3
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightsync.core.checksum import CHECKSUM_ID
 from weightsync.core.errors import IntegrityError
 from weightsync.transports.directory.files import (
     open_regular,
@@ -108,6 +109,8 @@ class Manifest:
     slots: dict[int, SlotRecord]
     sender_pid: int = 0
     sender_host: str = ""
+    #: the function of the slot checksums (``core.checksum``); None: an older writer's
+    checksum: str | None = CHECKSUM_ID
 
     def for_worker(self, worker_idx: int) -> Commit:
         """The version committed for ``worker_idx`` (the latest unless isolated)."""
@@ -132,6 +135,7 @@ class Manifest:
             "slots": {str(i): {"version": r.version, "checksums": [str(c) for c in r.checksums]}
                       for i, r in sorted(self.slots.items())},
             "sender": {"pid": self.sender_pid, "host": self.sender_host},
+            "checksum": self.checksum,
             "committed_at": time.time(),
         }
 
@@ -155,6 +159,9 @@ class Manifest:
             records[index] = SlotRecord(_int(record.get("version"), f"slot {key} version", where),
                                         tuple(int(s) for s in sums))
         pid, host = sender.get("pid", 0), sender.get("host", "")
+        function = obj.get("checksum")
+        if function is not None and not isinstance(function, str):
+            raise IntegrityError(f"{where}: checksum must name a function, got {function!r}")
         return cls(
             fingerprint=fingerprint,
             latest=Commit.from_json(obj.get("latest"), "latest", where),
@@ -163,6 +170,7 @@ class Manifest:
             slots=records,
             sender_pid=pid if type(pid) is int else 0,
             sender_host=host if isinstance(host, str) else "",
+            checksum=function,
         )
 
 

@@ -1,19 +1,17 @@
 """Each trainer rank's share of a slot's bucket checksums, so that nobody reads the slot
 again to commit a version written by several ranks.
 
-A bucket's checksum (:func:`~weightsync.transports.directory.slots.bucket_checksums`) is
-the wrapping sum of its 64-bit little-endian words, plus its last ``n % 8`` bytes weighted
-``1, 2, ...``. Both parts are linear in the bytes: byte ``i`` of a bucket of ``n`` bytes
-counts ``b_i << 8 * (i % 8)`` when it lies in a whole word, ``b_i * (i - full + 1)`` in the
-tail (``full = n // 8 * 8``). So the checksum of a bucket is the sum, modulo 2**64, of
-what each rank computes over the bytes it wrote, wherever its ranges start and end: a word
-split between two ranks is summed by each as its own bytes shifted to their position.
+A bucket's checksum (:mod:`weightsync.core.checksum`) is linear in the bytes: byte ``i`` of
+a bucket counts ``b_i << 8 * (i % 4)`` times the weight of its lane and the multiplier of
+its block, whatever else the bucket holds. So the checksum of a bucket is the sum, modulo
+2**64, of what each rank computes over the bytes it wrote, wherever its ranges start and
+end: a lane split between two ranks is summed by each as its own bytes shifted to their
+place.
 
 A rank writes a block of a global tensor: for a row-major tensor that is a set of equal
 byte ranges at a constant stride (one range for ``Shard(0)``, one per row for
-``Shard(1)``). Aligned ranges are summed as words (one pass over memory the rank has just
-written, still in cache); ranges that start or end inside a word add their edge bytes one by
-one; many short misaligned rows are summed column-wise, grouped by their position modulo 8.
+``Shard(1)``), summed in one kernel call (:func:`~weightsync.core.checksum.strided_share`)
+over memory the rank has just written, still in cache.
 """
 
 from __future__ import annotations
@@ -24,22 +22,11 @@ from collections.abc import Sequence
 
 import torch
 
+from weightsync.core.checksum import range_share, strided_share
 from weightsync.core.layout import Layout
 from weightsync.core.shards import Region
 
 _MASK = (1 << 64) - 1
-#: rows of a strided block summed one by one below this count (column sums above it)
-_FEW_ROWS = 32
-
-
-def word_sum(raw: torch.Tensor) -> int:
-    """Wrapping sum of the int64 words of ``raw`` (uint8, length a multiple of 8), copied
-    first if it does not start on an 8-byte boundary of its storage."""
-    if not raw.numel():
-        return 0
-    if raw.storage_offset() % 8:
-        raw = raw.clone()
-    return int(raw.view(torch.int64).sum()) & _MASK
 
 
 class BucketGeometry:
@@ -83,62 +70,11 @@ class BucketGeometry:
                 for index in itertools.product(*outer)]
 
 
-def _edge_bytes(raw: torch.Tensor, start: int, stop: int) -> int:
-    """Bytes ``start..stop`` of ``raw`` (inside whole words) shifted to their positions."""
-    return sum(b << (8 * (i % 8)) for i, b in enumerate(raw[start:stop].tolist(), start))
-
-
-def range_sum(raw: torch.Tensor, start: int, stop: int) -> int:
-    """The share of bytes ``start..stop`` of the bucket ``raw`` in its checksum."""
-    full = raw.numel() // 8 * 8
-    total = 0
-    if stop > full:  # the tail: weighted by position
-        lo = max(start, full)
-        total += sum(b * (i - full + 1) for i, b in enumerate(raw[lo:stop].tolist(), lo))
-        stop = full
-    if start >= stop:
-        return total & _MASK
-    first_word = min(-(-start // 8) * 8, stop)
-    last_word = max(stop // 8 * 8, first_word)
-    total += _edge_bytes(raw, start, first_word) + _edge_bytes(raw, last_word, stop)
-    total += word_sum(raw[first_word:last_word])
-    return total & _MASK
-
-
-def _strided_sum(raw: torch.Tensor, start: int, rows: int, stride: int, width: int) -> int:
-    """The share of ``rows`` ranges of ``width`` bytes every ``stride`` bytes from ``start``
-    (all inside whole words), summed per column and grouped by position modulo 8."""
-    if start % 8 == 0 and stride % 8 == 0 and width % 8 == 0 and raw.storage_offset() % 8 == 0:
-        words = raw[: raw.numel() // 8 * 8].view(torch.int64)
-        block = words.as_strided((rows, width // 8), (stride // 8, 1),
-                                 words.storage_offset() + start // 8)
-        return int(block.sum()) & _MASK
-    block = raw.as_strided((rows, width), (stride, 1), raw.storage_offset() + start)
-    period = 8 // math.gcd(stride, 8)
-    residues = torch.arange(width, dtype=torch.int64)
-    per_position = torch.zeros(8, dtype=torch.int64)
-    for group in range(min(period, rows)):
-        columns = block[group::period].sum(0, dtype=torch.int64)
-        shift = (start + group * stride) % 8
-        per_position.index_add_(0, (residues + shift) % 8, columns)
-    return sum(int(s) << (8 * j) for j, s in enumerate(per_position.tolist())) & _MASK
-
-
 def block_sum(raw: torch.Tensor, start: int, rows: int, stride: int, width: int) -> int:
     """The share of one block (see :meth:`BucketGeometry.blocks`) of the bucket ``raw``."""
     if rows == 1 or stride == width:
-        return range_sum(raw, start, start + (rows - 1) * stride + width)
-    full = raw.numel() // 8 * 8
-    # rows reaching into the tail (the last < 8 bytes) are summed one by one
-    whole = min(rows, max(0, (full - width - start) // stride + 1))
-    total = sum(range_sum(raw, start + k * stride, start + k * stride + width)
-                for k in range(whole, rows))
-    if whole <= _FEW_ROWS:
-        total += sum(range_sum(raw, start + k * stride, start + k * stride + width)
-                     for k in range(whole))
-    else:
-        total += _strided_sum(raw, start, whole, stride, width)
-    return total & _MASK
+        return range_share(raw, start, start + (rows - 1) * stride + width)
+    return strided_share(raw, start, rows, stride, width)
 
 
 def region_sums(geometry: BucketGeometry, data: torch.Tensor,

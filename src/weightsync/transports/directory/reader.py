@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.checksum import check_function
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SenderLostError
 from weightsync.core.layout import Layout
@@ -117,6 +118,7 @@ class DirectoryReader:
 
     def _verify(self, manifest: Manifest, slot: SlotFile, commit: Commit) -> None:
         where = f"worker {self.worker_idx}, version {commit.version}, {slot.path}"
+        check_function(manifest.checksum, f"{where}: the manifest")
         if manifest.fingerprint != slot.layout.fingerprint:
             raise IntegrityError(f"{where}: the slot's layout does not match the manifest")
         if os.fstat(slot.fd).st_size < slot.data.storage_offset() + slot.data.numel():

@@ -2,7 +2,7 @@
 
 A slot is a valid safetensors file (``safetensors.safe_open`` reads it): an 8-byte header
 length, a JSON header (parsed as untrusted input, never unpickled), then the tensors back to
-back. Checksums are wrapping sums of 64-bit words per bucket, computed while writing.
+back. Each bucket has a checksum (``core.checksum``), computed while writing.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.checksum import checksum, combine, share
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout, TensorSpec
 from weightsync.transports.directory.files import create_temp, open_regular
@@ -144,35 +145,14 @@ def parse_header(raw: bytes, file_size: int, source: str = "slot file") -> tuple
 
 
 def bucket_checksums(layout: Layout, data: torch.Tensor) -> list[int]:
-    """One checksum per bucket: the wrapping sum of its 64-bit words (and tail bytes).
-
-    Catches flipped bytes and truncation at the cost of one read of the data; it guards
-    against corruption, not against an attacker."""
-    sums = []
-    for bucket in layout.buckets:
-        raw = data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
-        words = raw.numel() // 8 * 8
-        sums.append((_word_sum(raw[:words]) + _tail_sum(raw[words:])) & 0xFFFFFFFFFFFFFFFF)
-    return sums
+    """One checksum per bucket (:func:`weightsync.core.checksum.checksum`: it sees where each
+    4-byte lane is, so swapped pages, rows or words are caught, not only flipped bytes); it
+    guards against corruption and misplaced writes, not against an attacker."""
+    return [checksum(data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes])
+            for bucket in layout.buckets]
 
 
 _PIECE_BYTES = 4 << 20  # small enough that a piece is still in cache when it is summed
-
-
-def _word_sum(raw: torch.Tensor) -> int:
-    """Wrapping sum of the int64 words of ``raw`` (a uint8 tensor, length a multiple of 8);
-    a bucket that does not start on an 8-byte boundary (after an odd-sized 4-byte bucket)
-    is copied first, as torch views bytes as int64 only at aligned offsets."""
-    if raw.numel() and raw.storage_offset() % 8:
-        raw = raw.clone()
-    return int(raw.view(torch.int64).sum()) if raw.numel() else 0
-
-
-def _tail_sum(tail: torch.Tensor) -> int:
-    if not tail.numel():
-        return 0
-    weights = torch.arange(1, tail.numel() + 1, dtype=torch.int64)
-    return int((tail.to(torch.int64) * weights).sum())
 
 
 @torch.no_grad()
@@ -180,12 +160,13 @@ def pack_with_checksums(
     layout: Layout, weights: Mapping[str, torch.Tensor], data: torch.Tensor
 ) -> list[int]:
     """Copy ``weights`` into ``data`` (casting where the layout says) and return the same
-    checksums as :func:`bucket_checksums`, summing each piece right after writing it."""
+    checksums as :func:`bucket_checksums`, summing each piece right after writing it (the
+    checksum is linear: the pieces' shares add up to the bucket's)."""
     views = layout.tensor_views({"cpu": data})
     sums = []
     for bucket in layout.buckets:
         raw = data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
-        total, summed, written = 0, 0, 0
+        total, written = 0, 0
         for name in bucket.names:
             src = weights[name].detach().reshape(-1)
             dst = views[name].reshape(-1)
@@ -193,14 +174,10 @@ def pack_with_checksums(
             for start in range(0, dst.numel(), step):
                 piece = dst[start : start + step]
                 piece.copy_(src[start : start + step])
-                written += piece.numel() * piece.element_size()
-                aligned = written - written % 8
-                if aligned - summed >= _PIECE_BYTES:
-                    total += _word_sum(raw[summed:aligned])
-                    summed = aligned
-        aligned = written - written % 8
-        total += _word_sum(raw[summed:aligned]) + _tail_sum(raw[aligned:written])
-        sums.append(total & 0xFFFFFFFFFFFFFFFF)
+                size = piece.numel() * piece.element_size()
+                total += share(raw[written : written + size], written)
+                written += size
+        sums.append(combine([total]))
     return sums
 
 

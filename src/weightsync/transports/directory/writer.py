@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from weightsync.core.checksum import CHECKSUM_ID
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import (
     IntegrityError,
@@ -214,7 +215,8 @@ class DirectoryWriter:
                 workers.setdefault(w, old.latest)
         for w in ids:
             workers[w] = entry
-        slots = dict(old.slots) if old else {}  # slots not rewritten keep their versions
+        # slots not rewritten keep their versions, if their checksums are of this function
+        slots = dict(old.slots) if old and old.checksum == CHECKSUM_ID else {}
         slots[entry.slot] = SlotRecord(entry.version, tuple(checksums))
         return Manifest(self._layout.fingerprint, entry, workers, slots,
                         os.getpid(), socket.gethostname())

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from weightsync.core.checksum import CHECKSUM_ID, check_function, checksum
 from weightsync.core.errors import IntegrityError, WeightSyncError
 from weightsync.core.layout import Layout
 
@@ -52,6 +53,7 @@ class GroupInfo:
     timeout_s: float = 60.0
     secret: str = ""
     nonce: str = ""
+    checksum: str = CHECKSUM_ID  # the function of the chunk checksums (``core.checksum``)
 
     def rank_of(self, worker_idx: int) -> int:
         if worker_idx not in self.ranks:
@@ -193,16 +195,9 @@ def member_proof(secret: bytes, info: GroupInfo, rank: int) -> bytes:
 
 # ------------------------------------------------------------------ checksums
 def wire_checksum(buffer: torch.Tensor) -> int:
-    """The wrapping sum of a byte buffer's 64-bit words plus its position-weighted tail
-    bytes: one read, catches flipped and lost bytes (not an attacker: see the MACs)."""
-    flat = buffer.reshape(-1)
-    words = flat.numel() // 8 * 8
-    total = int(flat[:words].view(torch.int64).sum()) if words else 0
-    tail = flat[words:]
-    if tail.numel():
-        weights = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=tail.device)
-        total += int((tail.to(torch.int64) * weights).sum())
-    return total & 0xFFFFFFFFFFFFFFFF
+    """The checksum of a byte buffer (:mod:`weightsync.core.checksum`, on any device): one
+    read, catches flipped, lost and misplaced bytes (not an attacker: see the MACs)."""
+    return checksum(buffer)
 
 
 def wire_checksums(buffers: Sequence[torch.Tensor]) -> list[int]:
@@ -251,6 +246,7 @@ class WeightGroup:
 
     def __init__(self, info: GroupInfo, rank: int, store: Any = None,
                  host: str | None = None) -> None:
+        check_function(info.checksum, f"group generation {info.generation}")
         timeout = datetime.timedelta(seconds=max(info.timeout_s, 0.001))
         self.info = info
         self.rank = rank

@@ -118,7 +118,7 @@ def send_pieces(group: WeightGroup, pieces: Sequence[ShardPiece], layout: Layout
         rows = local.reshape(1) if local.dim() == 0 else local[chunk.lo:chunk.hi]
         rows = rows.to(device="cpu", dtype=layout[chunk.name].dtype).contiguous()
         payload = rows.reshape(-1).view(torch.uint8)
-        if payload.storage_offset() % 8:  # the checksum reads 8-byte words: align it
+        if payload.storage_offset() % 8:  # an 8-byte-aligned copy: the fast path of both ends
             payload = payload.clone()
         if payload.numel() != chunk.nbytes:
             raise WeightSyncError(f"key {chunk.name!r}: chunk {index} of version {version} has "

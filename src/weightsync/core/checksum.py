@@ -1,0 +1,211 @@
+"""The checksum every checksummed path uses (directory slots, Ray chunks, delta rebuilds):
+a weighted sum of 32-bit lanes that sees where each lane is.
+
+The bytes are read as unsigned 32-bit little-endian lanes ``u`` (a last partial lane is
+zero-padded), cut into blocks of :data:`BLOCK_LANES` lanes at absolute positions::
+
+    H = sum_q m_q * (sum_j u[q, j] * r_j)   mod 2**64
+
+``r_j = fmix32(WEIGHT_SEED + j)`` are fixed, distinct, nonzero 32-bit weights (murmur3's
+finaliser, a bijection), ``m_q = splitmix64(BLOCK_SEED + q) | 1``. Since a lane difference
+and a weight difference are both below 2**32 in magnitude, their product is nonzero modulo
+2**64: a swap of two lanes of one block, a pair ``+x``/``-x`` on two lanes, a flip of one
+bit in each of two lanes (the top ones included) always changes ``H``; across blocks the
+multipliers catch a swap with high probability. It is linear in the bytes, so the share of
+any byte range (:func:`share`) adds up with the others': sharded ranks each sum what they
+wrote. It guards against corruption and misplaced writes, not against someone who can
+write the bytes and their checksum (that is the token's job).
+
+With numba (``core.checksum_kernels``) the sum runs as a vectorised kernel; without it, or
+for tensors outside the CPU (NCCL chunks), the same numbers come from torch (slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from weightsync.core.errors import IntegrityError
+
+logger = logging.getLogger(__name__)
+
+#: the name a manifest or header records for this function
+CHECKSUM_ID = "lane32-weighted-v1"
+#: the functions a reader of this version can verify
+SUPPORTED = (CHECKSUM_ID,)
+#: lanes (4 bytes each) per block: swaps inside a block (4 MiB) are always caught
+BLOCK_LANES = 1 << 20
+WEIGHT_SEED = 0x57534E43  # "WSNC"; WEIGHT_SEED + j never wraps to 0 for j < BLOCK_LANES
+BLOCK_SEED = 0x4E43424C4F434B53  # "NCBLOCKS"
+
+_MASK = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def check_function(found: Any, where: str) -> None:
+    """IntegrityError naming ``where`` unless ``found`` names a checksum this reader knows
+    (a manifest or header written by a newer, or an older, weightsync)."""
+    if found not in SUPPORTED:
+        what = "no checksum function" if found is None else f"checksum function {found!r}"
+        raise IntegrityError(
+            f"{where} records {what}; this weightsync verifies {', '.join(SUPPORTED)}: the writer "
+            "runs another weightsync version (upgrade both ends to the same one)"
+        )
+
+
+def splitmix64(value: int) -> int:
+    """One step of splitmix64 (the generator the weights and multipliers come from)."""
+    z = (value + _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK
+    return z ^ (z >> 31)
+
+
+def block_multiplier(block: int) -> int:
+    """The odd multiplier ``m_q`` of block ``block``."""
+    return splitmix64((BLOCK_SEED + block) & _MASK) | 1
+
+
+def fmix32(value: int) -> int:
+    """murmur3's 32-bit finaliser: a bijection of 32-bit values (each step is invertible)."""
+    value ^= value >> 16
+    value = (value * 0x85EBCA6B) & 0xFFFFFFFF
+    value ^= value >> 13
+    value = (value * 0xC2B2AE35) & 0xFFFFFFFF
+    return value ^ (value >> 16)
+
+
+@functools.cache
+def weights() -> torch.Tensor:
+    """The :data:`BLOCK_LANES` weights ``r_j = fmix32(WEIGHT_SEED + j)`` as int64: distinct
+    (fmix32 is a bijection) and nonzero (only fmix32(0) is 0, and the seed skips it)."""
+    z = torch.arange(WEIGHT_SEED, WEIGHT_SEED + BLOCK_LANES, dtype=torch.int64)
+    z ^= z >> 16
+    z = (z * 0x85EBCA6B) & 0xFFFFFFFF  # products stay below 2**63
+    z ^= z >> 13
+    z = (z * 0xC2B2AE35) & 0xFFFFFFFF
+    return (z ^ (z >> 16)).contiguous()
+
+
+@functools.cache
+def _weights_on(device: torch.device) -> torch.Tensor:
+    return weights().to(device)
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any, Any] | None:
+    """The numba kernels (range, strided) and the weights as a uint32 array, or None
+    without numba (then torch computes the same numbers)."""
+    try:
+        import numpy as np
+
+        from weightsync.core import checksum_kernels
+    except ImportError:
+        return None
+    try:
+        lanes = weights().to(torch.int32).numpy().view(np.uint32)
+        raw = np.zeros(16, dtype=np.uint8)  # compile now, not inside the first timed sum
+        checksum_kernels.range_share(raw, 1, 15, 3, lanes, BLOCK_LANES, BLOCK_SEED)
+        checksum_kernels.strided_share(raw, 1, 2, 7, 3, lanes, BLOCK_LANES, BLOCK_SEED)
+        return checksum_kernels.range_share, checksum_kernels.strided_share, lanes
+    except Exception as exc:  # pragma: no cover - a numba that cannot compile here
+        logger.warning("numba cannot compile the checksum kernels (%s): using torch", exc)
+        return None
+
+
+def accelerated() -> bool:
+    """True if CPU checksums run as numba kernels here."""
+    return _kernels() is not None
+
+
+def _bytes_of(buffer: torch.Tensor) -> torch.Tensor:
+    flat = buffer.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _byte_terms(data: torch.Tensor, position: int) -> int:
+    """What a few bytes at absolute byte ``position`` add (the edges of a range)."""
+    total = 0
+    table = weights()
+    for offset, byte in enumerate(data.tolist()):
+        lane = (position + offset) // 4
+        shifted = byte << (8 * ((position + offset) % 4))
+        total += shifted * int(table[lane % BLOCK_LANES]) * block_multiplier(lane // BLOCK_LANES)
+    return total & _MASK
+
+
+def _lanes_torch(data: torch.Tensor, first_lane: int) -> int:
+    """What the whole lanes of ``data`` (uint8, a multiple of 4 bytes) add at absolute lane
+    ``first_lane``, in torch (int64 products wrap as uint64 would)."""
+    if data.storage_offset() % 4:
+        data = data.clone()
+    lanes = data.view(torch.int32)
+    table = _weights_on(lanes.device)
+    total, done = 0, 0
+    while done < lanes.numel():
+        lane = first_lane + done
+        block, j = divmod(lane, BLOCK_LANES)
+        run = min(BLOCK_LANES - j, lanes.numel() - done)
+        values = lanes[done:done + run].to(torch.int64) & 0xFFFFFFFF
+        inner = int((values * table[j:j + run]).sum()) & _MASK
+        total += inner * block_multiplier(block)
+        done += run
+    return total & _MASK
+
+
+def torch_share(data: torch.Tensor, position: int = 0) -> int:
+    """:func:`share` computed in torch (any device; the reference without numba)."""
+    raw = _bytes_of(data)
+    n = raw.numel()
+    head = min((-position) % 4, n)
+    whole = (n - head) // 4 * 4
+    total = _byte_terms(raw[:head], position) if head else 0
+    if whole:
+        total += _lanes_torch(raw[head:head + whole], (position + head) // 4)
+    if head + whole < n:
+        total += _byte_terms(raw[head + whole:], position + head + whole)
+    return total & _MASK
+
+
+def share(data: torch.Tensor, position: int = 0) -> int:
+    """What the bytes of ``data`` add to the checksum of a buffer in which they lie at
+    byte ``position``: shares of disjoint ranges add up (mod 2**64) to the whole's."""
+    raw = _bytes_of(data)
+    kernels = _kernels() if raw.device.type == "cpu" else None
+    if kernels is None:
+        return torch_share(raw, position)
+    range_kernel, _, lanes = kernels
+    array = raw.numpy()
+    return int(range_kernel(array, 0, array.shape[0], position, lanes, BLOCK_LANES, BLOCK_SEED))
+
+
+def checksum(data: torch.Tensor) -> int:
+    """The checksum of a buffer (a contiguous tensor, read as its bytes)."""
+    return share(data, 0)
+
+
+def range_share(raw: torch.Tensor, start: int, stop: int) -> int:
+    """The share of bytes ``start..stop`` of the buffer ``raw`` (at their own positions)."""
+    return share(_bytes_of(raw)[start:stop], start)
+
+
+def strided_share(raw: torch.Tensor, start: int, rows: int, stride: int, width: int) -> int:
+    """The share of ``rows`` ranges of ``width`` bytes every ``stride`` bytes from ``start``
+    of the buffer ``raw``, each at its own position: the block a rank writes of a tensor."""
+    data = _bytes_of(raw)
+    kernels = _kernels() if data.device.type == "cpu" else None
+    if kernels is None:
+        return sum(range_share(data, start + k * stride, start + k * stride + width)
+                   for k in range(rows)) & _MASK
+    _, strided_kernel, lanes = kernels
+    return int(strided_kernel(data.numpy(), start, rows, stride, width, lanes, BLOCK_LANES,
+                              BLOCK_SEED))
+
+
+def combine(shares: Sequence[int]) -> int:
+    """The checksum of a buffer from the shares of ranges that cover it once each."""
+    return sum(shares) & _MASK
