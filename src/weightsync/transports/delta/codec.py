@@ -13,6 +13,11 @@ the result is verified against the sender's checksum of the new chunk (``delta_s
 ``SPARSE``: where numba is installed, a delta goes first as (gap, XOR) varints of the
 changed 16-bit words (``delta.sparse``): ~zstd's size at several times its speed; zstd
 stays the sender's choice without numba or when too many words changed for that format.
+
+Every payload is smaller than its chunk (a whole chunk is the chunk), so a receiver checks
+each header against its chunk before it allocates anything (:func:`header_problem`), and
+a payload that does not decode to exactly one chunk is :class:`MalformedDeltaError` (an
+``IntegrityError``), never another exception.
 """
 
 from __future__ import annotations
