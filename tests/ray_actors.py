@@ -230,3 +230,15 @@ class DeltaCollector(RayWeightReceiverMixin):
             delta_stream.DeltaDecoder.decode = original  # once
 
         delta_stream.DeltaDecoder.decode = decode
+
+    def corrupt_next_header(self, field, value):
+        """Overwrite field ``field`` (0: kind, 1: payload bytes) of chunk 0's header in the
+        next stream this actor takes (once), as it arrives, before it is checked."""
+        from weightsync.transports.ray.delta_stream import DeltaReceiver
+
+        def hook(index, header):
+            if index == 0:
+                header[field] = value
+                DeltaReceiver.header_hook = None  # once
+
+        DeltaReceiver.header_hook = hook

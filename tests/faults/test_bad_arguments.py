@@ -4,6 +4,8 @@ is refused at once with a ValueError that names the argument (or, for numpy ints
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
 import time
 
 import numpy as np
@@ -164,3 +166,117 @@ def test_a_zero_copy_model_cast_after_connect_is_refused_not_undone(workers):
         sender.send_async()
         (kind, _idx, key), = drain(workers.out, 1)
         assert (kind, key) == ("mismatch", "weight")
+
+
+def refusal(what: str, value: object, optional: bool) -> str:
+    """The one message every refused timeout gets."""
+    return (f"{what} must be a finite number of seconds >= 0 (0: do not wait)"
+            f"{' or None' if optional else ''}, got {type(value).__name__} {value!r}")
+
+
+def timeout_entry_points(tmp_path):
+    """(name, argument named, None taken, call(timeout)) for every public entry point that
+    takes a timeout, on a directory scheme with a connected worker (cheap, one process)."""
+    from weightsync.integrations.vllm.driver import connect_engine, update_engine
+    from weightsync.transports.mp.transport import MPTransport
+
+    scheme = ws.VLLMDoubleBufferSyncScheme(tmp_path / "w", num_workers=1, timeout=5)
+    sender = scheme.create_sender()
+    sender.register_model(small_model())
+    sender.update_weights()
+    receiver = scheme.create_receiver(0)
+    receiver.register_model(small_model())
+    receiver.connect(timeout=5)
+    extension = WeightSyncWorkerExtension()
+    shm = ws.SharedMemWeightSyncScheme(num_workers=1, timeout=5).create_receiver(0)
+    shm.register_model(small_model())
+    pipe, _ = multiprocessing.Pipe()
+    pending = [False]
+
+    def sender_pending() -> bool:
+        try:
+            sender.wait_async(timeout=float("nan"))
+        except ValueError:
+            return True  # there is a send to wait for: only the timeout was refused
+        except RuntimeError:
+            return False
+        return False
+
+    def wait_async(timeout):
+        if not pending[0]:  # a refused wait_async leaves its send pending
+            sender.send_async(timeout=5)
+            pending[0] = True
+        try:
+            sender.wait_async(timeout=timeout)
+        finally:  # a refused timeout leaves the send pending, a timed-out wait does not
+            pending[0] = sender_pending()
+
+    points = [
+        ("SharedMem scheme", "timeout", False,
+         lambda t: ws.SharedMemWeightSyncScheme(num_workers=1, timeout=t)),
+        ("MultiProcess scheme", "timeout", False,
+         lambda t: ws.MultiProcessWeightSyncScheme(num_workers=1, timeout=t)),
+        ("directory scheme", "timeout", False,
+         lambda t: ws.VLLMDoubleBufferSyncScheme(tmp_path / "c", num_workers=1, timeout=t)),
+        ("Ray scheme", "timeout", False, lambda t: ws.RayWeightSyncScheme(timeout=t)),
+        ("MPTransport", "timeout", False, lambda t: MPTransport(pipe, timeout=t)),
+        ("sender.connect", "timeout", True, lambda t: sender.connect(timeout=t)),
+        ("sender.send", "timeout", True, lambda t: sender.send(timeout=t)),
+        ("sender.send_async", "timeout", True, lambda t: (sender.send_async(timeout=t),
+                                                          sender.wait_async(timeout=5))),
+        ("sender.wait_async", "timeout", True, wait_async),
+        ("sender.update_weights", "timeout", True, lambda t: sender.update_weights(timeout=t)),
+        ("receiver.connect", "timeout", True, lambda t: receiver.connect(timeout=t)),
+        ("receiver.receive", "timeout", True, lambda t: receiver.receive(timeout=t)),
+        ("receiver.apply_version", "timeout", True,
+         lambda t: receiver.apply_version(sender.version, timeout=t)),
+        ("SharedMem receiver.receive", "timeout", True, lambda t: shm.receive(t)),
+        ("extension.weightsync_connect", "timeout", False,
+         lambda t: extension.weightsync_connect(str(tmp_path / "w"), worker_idx=0, timeout=t)),
+        ("connect_engine", "timeout", False,
+         lambda t: connect_engine(None, str(tmp_path / "w"), timeout=t)),
+        ("update_engine", "timeout", False, lambda t: update_engine(None, timeout=t)),
+    ]
+    if importlib.util.find_spec("vllm") is not None:
+        from weightsync.integrations.vllm.backend import WeightSyncInitInfo, WeightSyncUpdateInfo
+
+        points += [
+            ("vLLM init_info", "init_info timeout", False,
+             lambda t: WeightSyncInitInfo(directory="/tmp/w", timeout=t)),
+            ("vLLM update_info", "update_info timeout", True,
+             lambda t: WeightSyncUpdateInfo(version=1, timeout=t)),
+        ]
+    if importlib.util.find_spec("torchrl") is not None:
+        from weightsync.integrations import torchrl as ws_torchrl
+
+        points += [
+            ("TorchRL scheme timeout", "timeout", False,
+             lambda t: ws_torchrl.SharedMemWeightSyncScheme(timeout=t)),
+            ("TorchRL scheme connect_timeout", "connect_timeout", False,
+             lambda t: ws_torchrl.MultiProcessWeightSyncScheme(connect_timeout=t)),
+        ]
+    return points, (sender, receiver, shm, lambda: pending[0] and wait_async(5))
+
+
+def test_every_timeout_takes_zero_and_refuses_the_rest_alike(tmp_path):
+    """One rule (``core.deadline``): 0 is a timeout (do not wait: one non-blocking attempt)
+    everywhere, and a negative, NaN or bool one is refused at once with the same words."""
+    points, ends = timeout_entry_points(tmp_path)
+    try:
+        for name, what, optional, call in points:
+            try:
+                call(0)
+            except ValueError as exc:  # another error (no engine, nothing newer) is fine
+                assert "timeout" not in str(exc), (name, exc)
+            except (RuntimeError, AttributeError, TypeError):
+                pass  # not about the timeout: the call ran past its argument checks
+            for bad in (-1.0, float("nan"), True, -5):
+                with pytest.raises(ValueError) as refused:
+                    call(bad)
+                assert str(refused.value) == refusal(what, bad, optional), name
+    finally:
+        sender, receiver, shm, settle = ends
+        settle()
+        receiver.close()
+        shm.close()
+        sender.close()

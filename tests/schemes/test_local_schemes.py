@@ -335,6 +335,30 @@ def test_connect_timeout_names_missing_workers(scheme_cls):
     sender.close()
 
 
+def test_a_scheme_timeout_of_zero_waits_only_where_a_call_says(scheme_cls, workers):
+    """``timeout=0`` (the contract's "do not wait") as a scheme's default: a call without
+    its own ``timeout=`` makes one attempt, a call with one waits that long, and the
+    exchanges under way between the processes (a version half streamed, the workers' own
+    waits) keep a peer's usual time to answer."""
+    scheme = scheme_cls(num_workers=2, timeout=0)
+    assert scheme.timeout == 0.0
+    model = make_model(width=512)  # a version that takes more than one read to stream
+    with scheme.create_sender() as sender:
+        sender.register_model(model)
+        started = time.monotonic()
+        with pytest.raises(ws.WeightSyncTimeoutError):
+            sender.connect()  # nobody is there, and it does not wait for them
+        assert time.monotonic() - started < 2
+        start(workers, scheme, 2, echo_worker, 512)
+        assert sender.connect(timeout=60) == 0
+        assert [m[2] for m in connected(workers, 2)] == [0, 0]
+        for version in (1, 2, 3):
+            fill_all(model, float(version))
+            assert sender.send(timeout=30) == version
+            got = drain(workers.out, 2)
+            assert {(m[0], m[2], m[3]) for m in got} == {("version", version, checksum(model))}
+
+
 def _shm_entries():
     # multiprocessing's own named semaphores (the harness's queues, here or in another test
     # run on the machine) are not ours: weightsync creates no named segment at all

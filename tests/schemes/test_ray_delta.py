@@ -154,6 +154,40 @@ def test_corrupted_delta_is_refused_and_sent_whole(actors):
         assert states(group) == [(2, cast_digest(model))] * 2
 
 
+def test_headers_no_sender_writes_are_refused_and_sent_whole(actors, caplog):
+    """A chunk header whose size or kind no sender writes (2**40 bytes, a negative size,
+    an unknown kind) is refused before anything is allocated for it, the stream is still
+    taken to its end, and the node gets the version whole within the same send."""
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, dtype=BF16, delta=True,
+                                    node_local=False)
+    group = actors(scheme, [0, 1])
+    model = tiny_transformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    corruptions = [(1, 2**40, "of 1099511627776 payload bytes (expected 1 to"),
+                   (1, -8, "of -8 payload bytes (expected 1 to"),
+                   (0, 9, "unknown chunk kind 9")]
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        for version, (field, value, why) in enumerate(corruptions, start=1):
+            ray.get(group[1].corrupt_next_header.remote(field, value))
+            step(model, optimizer)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="weightsync.transports.ray.writer"):
+                assert sender.send(timeout=30) == version
+            figures = last(sender)
+            assert figures["delta_refused"] == 1
+            assert figures["chunks"] == 6 and figures["delta_chunks"] == 4
+            assert states(group) == [(version, cast_digest(model))] * 2
+            for named in ("worker 1 (host ", f"version {version} rebuilt from deltas",
+                          "(first: chunk 0, its header is refused: ", why):
+                assert named in caplog.text, caplog.text
+        step(model, optimizer)
+        assert sender.send(timeout=30) == len(corruptions) + 1  # deltas again
+        assert last(sender)["delta_chunks"] == last(sender)["chunks"] == 4
+        assert states(group) == [(len(corruptions) + 1, cast_digest(model))] * 2
+
+
 def test_replacement_actor_takes_whole_chunks_then_deltas(actors):
     scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, dtype=BF16, delta=True,
                                     node_local=False)

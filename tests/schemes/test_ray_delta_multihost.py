@@ -139,6 +139,30 @@ def test_swapped_or_compensating_bytes_in_a_delta_base_are_refused_and_sent_whol
         assert states(group) == [(2, cast_digest(model))] * 3
 
 
+@pytest.mark.parametrize(("field", "value"), [(1, 2**40), (1, -8)], ids=["2**40", "negative"])
+def test_a_header_size_no_sender_writes_at_the_relay_is_refused_and_sent_whole(actors, field,
+                                                                               value):
+    """Host B's relay is told a chunk of 2**40 (or -8) payload bytes: it allocates nothing
+    for it, takes the rest of the stream, refuses the version, and gets it whole."""
+    scheme = ws.RayWeightSyncScheme(num_workers=3, timeout=30, dtype=BF16, delta=True)
+    group = actors(scheme, ["a", "b", "b"])
+    model = tiny_transformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        ray.get(group[1].corrupt_next_header.remote(field, value))  # host B's relay
+        step(model, optimizer)
+        assert sender.send(timeout=30) == 1
+        figures = last(sender)
+        assert figures["delta_refused"] == 1 and figures["chunks"] == 4, figures
+        assert states(group) == [(1, cast_digest(model))] * 3  # the follower too
+        step(model, optimizer)
+        assert sender.send(timeout=30) == 2
+        assert last(sender)["delta_chunks"] == 2 and last(sender)["delta_refused"] == 0
+        assert states(group) == [(2, cast_digest(model))] * 3
+
+
 def test_skipped_and_late_actors_take_whole_chunks_then_deltas(actors):
     scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, dtype=BF16, delta=True)
     group = actors(scheme, ["a", "b"])

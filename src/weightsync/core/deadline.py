@@ -9,26 +9,30 @@ import time
 from weightsync.units import format_duration as human_duration
 
 
+def _refused(timeout: object, what: str, optional: bool) -> ValueError:
+    return ValueError(f"{what} must be a finite number of seconds >= 0 (0: do not wait)"
+                      f"{' or None' if optional else ''}, got {type(timeout).__name__} "
+                      f"{timeout!r}")
+
+
 def checked_timeout(timeout: object, what: str = "timeout") -> float | None:
-    """``timeout`` as seconds (a finite real number >= 0) or ``None`` (no deadline); anything
-    else (NaN, infinity, a negative number, a string, a bool) is a ValueError that says what
-    was given. The one check every blocking call's ``timeout`` goes through."""
+    """The one rule for every timeout weightsync takes: a finite real number of seconds
+    >= 0, where 0 means do not wait (one non-blocking attempt), or ``None`` (the call's
+    default, or no deadline). Anything else (NaN, infinity, a negative number, a string, a
+    bool) is a ValueError, the same words for every argument, naming ``what`` and the value."""
     if timeout is None:
         return None
+    return required_timeout(timeout, what, optional=True)
+
+
+def required_timeout(timeout: object, what: str = "timeout", *, optional: bool = False) -> float:
+    """:func:`checked_timeout` for a timeout that must be a number (a scheme's default
+    deadline, an engine's): ``None`` is refused too."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise ValueError(f"{what} must be a number of seconds >= 0 or None, got "
-                         f"{type(timeout).__name__} {timeout!r}")
+        raise _refused(timeout, what, optional)
     seconds = float(timeout)
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be a finite number of seconds >= 0 or None, got {timeout!r}")
-    return seconds
-
-
-def positive_timeout(timeout: object, what: str = "timeout") -> float:
-    """A default deadline (a scheme's, an engine's): a finite number of seconds > 0."""
-    seconds = checked_timeout(timeout, what)
-    if not seconds:
-        raise ValueError(f"{what} must be a positive number of seconds, got {timeout!r}")
+        raise _refused(timeout, what, optional)
     return seconds
 
 

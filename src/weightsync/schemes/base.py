@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 
-from weightsync.core.deadline import positive_timeout
+from weightsync.core.deadline import required_timeout
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
@@ -23,8 +23,16 @@ class WeightSyncScheme(abc.ABC):
     def __init__(
         self, *, timeout: float = DEFAULT_TIMEOUT, strategy: WeightStrategy | None = None
     ) -> None:
-        self.timeout = positive_timeout(timeout)
+        self.timeout = required_timeout(timeout)
         self.strategy = strategy or WeightStrategy(extract_as="state_dict")
+
+    @property
+    def peer_timeout(self) -> float:
+        """How long a peer may take to answer within an exchange already under way (a
+        message half read, the group's store): the scheme's timeout, or
+        :data:`DEFAULT_TIMEOUT` when it is 0 (then calls do not wait for a version, but a
+        transfer that started is not cut short)."""
+        return self.timeout or DEFAULT_TIMEOUT
 
     @abc.abstractmethod
     def create_sender(self) -> WeightSender:

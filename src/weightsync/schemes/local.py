@@ -69,7 +69,7 @@ class LocalScheme(WeightSyncScheme):
             raise ValueError(f"worker_idx {worker_idx} is out of range: the scheme has "
                              f"num_workers={self.num_workers}")
         c = self.config
-        return LocalLink(c.address, c.token, c.uid, c.creator_pid, worker_idx, self.timeout)
+        return LocalLink(c.address, c.token, c.uid, c.creator_pid, worker_idx, self.peer_timeout)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, timeout={self.timeout})"

@@ -15,7 +15,7 @@ class MultiProcessWeightSyncScheme(LocalScheme):
 
     def create_sender(self) -> WeightSender:
         c = self.config
-        writer = StreamWriter(c.address, c.token, c.uid, c.num_workers, timeout=self.timeout)
+        writer = StreamWriter(c.address, c.token, c.uid, c.num_workers, timeout=self.peer_timeout)
         return WeightSender(self, writer, c.num_workers)
 
     def create_receiver(self, worker_idx: int = 0) -> WeightReceiver:

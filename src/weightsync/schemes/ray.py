@@ -222,12 +222,12 @@ class RayWeightSender(WeightSender):
             writer = ShardedLeadWriter(
                 trainer_ranks=c.trainer_ranks, num_workers=c.num_workers, backend=c.backend,
                 node_local=False, checksums=c.checksums, rendezvous_name=c.connection_info_name,
-                secret=c.secret, timeout=scheme.timeout, dtype=c.dtype, namespace=c.namespace)
+                secret=c.secret, timeout=scheme.peer_timeout, dtype=c.dtype, namespace=c.namespace)
         else:
             writer = RayWriter(num_workers=c.num_workers, backend=c.backend,
                                node_local=c.node_local, checksums=c.checksums,
                                rendezvous_name=c.connection_info_name, secret=c.secret,
-                               timeout=scheme.timeout, dtype=c.dtype, delta=c.delta)
+                               timeout=scheme.peer_timeout, dtype=c.dtype, delta=c.delta)
         super().__init__(scheme, writer, c.num_workers)
         self.scheme: RayWeightSyncScheme = scheme
 
@@ -281,7 +281,7 @@ class RayWeightReceiver(WeightReceiver):
         c = scheme.config
         reader = RayReader(worker_idx, num_workers=c.num_workers, backend=c.backend,
                            rendezvous_name=c.connection_info_name, secret=c.secret,
-                           timeout=scheme.timeout, rendezvous_namespace=c.namespace)
+                           timeout=scheme.peer_timeout, rendezvous_namespace=c.namespace)
         super().__init__(scheme, worker_idx, reader)
         self.scheme: RayWeightSyncScheme = scheme
 
@@ -323,4 +323,4 @@ class RayWeightReceiver(WeightReceiver):
     def announce(self) -> None:
         """From inside an actor: tell the sender this actor is worker ``worker_idx`` (a
         replacement joins at the sender's next send)."""
-        self.reader.announce(self.scheme.timeout)
+        self.reader.announce(self.scheme.peer_timeout)

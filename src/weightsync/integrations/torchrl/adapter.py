@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import weightsync as ws
+from weightsync.core.deadline import required_timeout
 from weightsync.integrations.torchrl.adapter_trainer import _TrainerEnd
 from weightsync.integrations.torchrl.adapter_worker import _WorkerEnd
 from weightsync.integrations.torchrl.batch_gate import ApplyPoints
@@ -50,11 +51,9 @@ class WeightsyncTorchRLScheme(_TrainerEnd, _WorkerEnd):
     def __init__(self, strategy: str = "tensordict", sync: bool = True, *,
                  timeout: float = 60.0, connect_timeout: float = 300.0) -> None:
         super().__init__(strategy)
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError(f"timeouts must be positive, got {timeout=} {connect_timeout=}")
         self.sync = sync
-        self.timeout = float(timeout)
-        self.connect_timeout = float(connect_timeout)
+        self.timeout = required_timeout(timeout, "timeout")
+        self.connect_timeout = required_timeout(connect_timeout, "connect_timeout")
         self._ws: ws.WeightSyncScheme | None = None   # picklable: travels to the workers
         self._streams: list[ws.WeightSyncScheme] | None = None  # per-worker: one per worker
         self._per_worker: PerWorkerSenders | None = None  # the trainer's ends of _streams

@@ -27,6 +27,7 @@ from torchrl.weight_update.weight_sync_schemes import (
 from torchrl.weight_update.weight_sync_schemes import register_weight_sync_backend
 
 import weightsync as ws
+from weightsync.core.deadline import required_timeout
 from weightsync.integrations.torchrl.collector_hooks import flat_weights
 from weightsync.integrations.torchrl.llm_collector import (
     VLLMDoubleBufferWeightUpdater,
@@ -96,7 +97,7 @@ class VLLMDoubleBufferSyncScheme(TorchRLWeightSyncScheme):
         self.num_threads = int(num_threads)
         self.strategy_name = strategy
         self.num_workers = int(num_workers)
-        self.timeout = float(timeout)
+        self.timeout = required_timeout(timeout, "timeout")
         self.dtype = dtype
 
     @classmethod

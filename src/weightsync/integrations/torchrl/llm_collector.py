@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import torch
 from torchrl.collectors.weight_update import WeightUpdaterBase
 
+from weightsync.core.deadline import checked_timeout
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +49,8 @@ with warnings.catch_warnings():  # TorchRL deprecates subclassing; LLMCollector 
             self.scheme = scheme
             self.receiver = scheme.create_receiver(vllm_engine)
             self.sender = sender
-            self.timeout = scheme.timeout if timeout is None else float(timeout)
+            chosen = checked_timeout(timeout, "timeout")
+            self.timeout = scheme.timeout if chosen is None else chosen
 
         @property
         def version(self) -> int:

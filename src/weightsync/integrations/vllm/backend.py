@@ -37,7 +37,7 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from weightsync.core.checks import checked_int
-from weightsync.core.deadline import checked_timeout, positive_timeout
+from weightsync.core.deadline import checked_timeout, required_timeout
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
 from weightsync.schemes.double_buffer import (
@@ -62,7 +62,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
         self.directory = engine_directory(self.directory)
-        self.timeout = positive_timeout(self.timeout, "init_info timeout")
+        self.timeout = required_timeout(self.timeout, "init_info timeout")
         if self.num_workers is not None:
             self.num_workers = checked_int(self.num_workers, "init_info num_workers", 1)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from weightsync.core import errors
 from weightsync.core.checks import checked_int
-from weightsync.core.deadline import positive_timeout
+from weightsync.core.deadline import required_timeout
 from weightsync.core.errors import WeightSyncError
 from weightsync.integrations.vllm.extension import engine_directory
 
@@ -64,7 +64,7 @@ def connect_engine(llm: Any, directory: str, *, timeout: float = 60.0) -> int:
     workers' loads is then loaded by all of them). Raises ``SchemaMismatchError`` naming the
     key when the served model's layout differs from the slots', and
     ``WeightSyncTimeoutError`` when nothing is committed within ``timeout``."""
-    timeout = positive_timeout(timeout, "timeout")
+    timeout = required_timeout(timeout, "timeout")
     held = _call(llm, "connect", engine_directory(directory), None, timeout,
                  _world(llm), action=f"connecting to {directory}")
     version = max(int(v) for v in held)
@@ -100,7 +100,7 @@ def update_engine(
     ``weight_version`` is ``str(version)``. If any rank cannot load the version, the call
     raises ``WeightSyncError`` naming the rank, after bringing every rank back to one
     common version (the newest they can all load), so no rank is left on another."""
-    timeout = positive_timeout(timeout, "timeout")
+    timeout = required_timeout(timeout, "timeout")
     if mode not in SAFE_PAUSE_MODES:
         raise ValueError(
             f"mode must be one of {SAFE_PAUSE_MODES} (vLLM's 'keep' resumes requests on new "

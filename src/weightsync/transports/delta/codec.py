@@ -13,6 +13,11 @@ the result is verified against the sender's checksum of the new chunk (``delta_s
 ``SPARSE``: where numba is installed, a delta goes first as (gap, XOR) varints of the
 changed 16-bit words (``delta.sparse``): ~zstd's size at several times its speed; zstd
 stays the sender's choice without numba or when too many words changed for that format.
+
+Every payload is smaller than its chunk (a whole chunk is the chunk), so a receiver checks
+each header against its chunk before it allocates anything (:func:`header_problem`), and
+a payload that does not decode to exactly one chunk is :class:`MalformedDeltaError` (an
+``IntegrityError``), never another exception.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from weightsync.transports.delta import sparse as delta_sparse
+from weightsync.transports.delta.errors import MalformedDeltaError
 
 #: chunk kinds, as they travel in each chunk's header
 WHOLE, DELTA, SAME, SPARSE = 0, 1, 2, 3
@@ -120,7 +126,7 @@ class DeltaEncoder:
         written = delta_sparse.encode(new, base, out)
         if written == 0:
             return SAME, new[:0]
-        if written < 0:
+        if written < 0 or written >= n:  # a delta is always smaller than its chunk
             return DELTA, new[:0]
         return SPARSE, out[:written].clone()  # the scratch is reused by the next chunk
 
@@ -150,35 +156,81 @@ class DeltaEncoder:
         return DELTA, _readonly(packed)
 
 
+def header_problem(kind: int, size: int, chunk_bytes: int, has_base: bool) -> str | None:
+    """Why a chunk header (its ``kind`` and payload ``size``) cannot be one the encoder
+    wrote for a chunk of ``chunk_bytes`` (None: it can). ``has_base``: the receiver holds
+    the version the deltas are taken against. The receiver checks every header with this
+    before it allocates or receives anything for the chunk."""
+    name = KIND_NAMES.get(kind)
+    if name is None:
+        kinds = ", ".join(f"{k} ({n})" for k, n in KIND_NAMES.items())
+        return f"unknown chunk kind {kind} (expected one of {kinds})"
+    if kind == WHOLE:
+        expected, ok = f"exactly the chunk's {chunk_bytes}", size == chunk_bytes
+    elif kind == SAME:
+        expected, ok = "0", size == 0
+    else:  # a delta is written only when it is smaller than the chunk
+        expected, ok = f"1 to {chunk_bytes - 1}", 0 < size < chunk_bytes
+    if not ok:
+        return f"a {name} chunk of {size} payload bytes (expected {expected})"
+    if kind != WHOLE and not has_base:
+        return (f"a {name} chunk, but this node holds no base for it (the stream is of "
+                "whole chunks)")
+    return None
+
+
 class DeltaDecoder:
     """The receiving node's side: rebuilds chunks from their base and what arrived."""
 
     def __init__(self) -> None:
-        self._decompressor = _zstd().ZstdDecompressor()
+        self._zstd = _zstd()
+        self._decompressor = self._zstd.ZstdDecompressor()
         delta_sparse.available()  # compile the sparse kernel now, before the first version
 
     def decode(self, kind: int, payload: torch.Tensor, base: torch.Tensor,
                out: torch.Tensor) -> None:
         """Write the new chunk into ``out`` from ``base`` and a ``SAME``/``DELTA``/``SPARSE``
-        payload;
-        ValueError if the payload does not decode to exactly one chunk."""
+        payload; MalformedDeltaError if the payload does not decode to exactly one chunk
+        (nothing larger than the chunk is ever allocated)."""
         if kind == SAME:
+            if payload.numel():
+                raise MalformedDeltaError(f"an unchanged chunk carries {payload.numel()} bytes")
             out.copy_(base)
             return
         if kind == SPARSE:
             delta_sparse.decode(payload, base, out)
             return
         if kind != DELTA:
-            raise ValueError(f"chunk kind {kind} is not a delta")
+            raise MalformedDeltaError(f"chunk kind {kind} is not a delta")
+        _xor(_readonly(self._decompress(payload, out.numel())), base, out)
+
+    def _decompress(self, payload: torch.Tensor, size: int) -> bytes:
+        """The ``size`` bytes of one zstd frame that declares that size and fills
+        ``payload`` exactly; MalformedDeltaError otherwise (the output is bounded by the
+        declared size, checked first: a frame cannot make this allocate more)."""
+        data = _bytes(payload)
+        zstd = self._zstd
         try:
-            raw = self._decompressor.decompress(_bytes(payload),
-                                                max_output_size=out.numel())
-        except Exception as exc:  # zstd.ZstdError: corrupted on the way
-            raise ValueError(f"the delta does not decompress: {exc}") from None
-        if len(raw) != out.numel():
-            raise ValueError(f"the delta decompresses to {len(raw)} bytes, the chunk has "
-                             f"{out.numel()}")
-        _xor(_readonly(raw), base, out)
+            declared = zstd.frame_content_size(data)
+        except zstd.ZstdError as exc:
+            raise MalformedDeltaError(f"the delta is no zstd frame: {exc}") from None
+        if declared != size:
+            raise MalformedDeltaError(
+                f"the delta's zstd frame declares {declared} bytes (-1: unknown), the chunk "
+                f"has {size}")
+        stream = self._decompressor.decompressobj(write_size=size)
+        try:
+            raw = stream.decompress(data)
+        except zstd.ZstdError as exc:  # corrupted on the way, or longer than declared
+            raise MalformedDeltaError(f"the delta does not decompress: {exc}") from None
+        if not stream.eof or stream.unused_data:
+            raise MalformedDeltaError(
+                "the delta's zstd frame is cut short" if not stream.eof else
+                f"{len(stream.unused_data)} bytes follow the delta's zstd frame")
+        if len(raw) != size:
+            raise MalformedDeltaError(f"the delta decompresses to {len(raw)} bytes, the chunk "
+                                      f"has {size}")
+        return raw
 
 
 def unchanged_fraction(new: torch.Tensor, base: torch.Tensor) -> float:

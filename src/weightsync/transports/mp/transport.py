@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weightsync.core.deadline import Deadline
+from weightsync.core.deadline import Deadline, required_timeout
 from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.core.staging import StagingBuffers
@@ -147,7 +147,7 @@ class MPTransport:
     """
 
     def __init__(self, weight_queue: Any, ack_queue: Any = None, timeout: float = 10.0) -> None:
-        self.timeout = timeout
+        self.timeout = required_timeout(timeout, "timeout")
         self._channel: Channel | None = None
         self._queues: _QueueEndpoint | None = None
         if hasattr(weight_queue, "put") and hasattr(weight_queue, "get"):

@@ -3,31 +3,45 @@ chunks of a version as differences from the version that node holds, point to po
 the group (one node's base may differ from another's, so no broadcast).
 
 Each chunk goes as a small header (kind, payload size, the checksum of the new chunk) then
-its payload (see ``delta``). The trainer keeps the previous packed version beside the
-newest (two buffers, swapped: one extra copy of the version); each receiving node keeps the
-last version it verified (one extra copy). A node gets deltas only against the exact
-snapshot the trainer knows it holds (``SnapshotId``); anything else goes whole. The node
-rebuilds every chunk, verifies it against the sender's checksum before any worker may take
-it, and only then makes it its new base: a mismatch refuses the version
-(:class:`IntegrityError`) and leaves the base as it was.
+its payload (see ``delta``), always as two messages (an empty payload too), so a receiver
+that refuses a header still takes exactly the messages that were sent. The receiver checks
+every header against its chunk before it allocates anything (``header_problem``: a known
+kind, a size that kind can have for that chunk, a base to apply a delta to) and receives
+every payload into room for one chunk, the most any valid payload takes; a refused header
+is an :class:`IntegrityError` for that version like a checksum that differs.
+
+The trainer keeps the previous packed version beside the newest (two buffers, swapped: one
+extra copy of the version); each receiving node keeps the last version it verified (one
+extra copy). A node gets deltas only against the exact snapshot the trainer knows it holds
+(``SnapshotId``); anything else goes whole. The node rebuilds every chunk, verifies it
+against the sender's checksum before any worker may take it, and only then makes it its new
+base: a mismatch refuses the version (:class:`IntegrityError`) and leaves the base as it
+was.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
-from weightsync.transports.delta.codec import DELTA, SAME, SPARSE, WHOLE, DeltaDecoder, DeltaEncoder
+from weightsync.transports.delta.codec import (
+    WHOLE,
+    DeltaDecoder,
+    DeltaEncoder,
+    header_problem,
+)
+from weightsync.transports.delta.errors import MalformedDeltaError
 from weightsync.transports.ray.group import (
     FillChunk,
     WeightGroup,
@@ -42,6 +56,9 @@ logger = logging.getLogger(__name__)
 Buffers = dict[str, torch.Tensor]
 #: test hook: called with each rebuilt chunk ([chunk]) before it is verified
 ChunkHook = Callable[[list[torch.Tensor]], None]
+#: test hook: called with each chunk's index and header tensor (kind, payload bytes,
+#: checksum) as it arrives, before it is checked (to corrupt it "on the wire")
+HeaderHook = Callable[[int, torch.Tensor], None]
 #: threads that encode chunks ahead of the one on the wire (zstd and torch release the GIL)
 ENCODE_THREADS = 2
 _Encoded = tuple[int, int, dict[str | None, tuple[int, torch.Tensor]]]
@@ -166,8 +183,7 @@ class DeltaSender:
                     header = torch.tensor([kind, payload.numel(), checksum], dtype=torch.int64)
                     alive += [header, payload]
                     works.append(pg.send([header], rank, 2 * index))
-                    if payload.numel():
-                        works.append(pg.send([payload], rank, 2 * index + 1))
+                    works.append(pg.send([payload], rank, 2 * index + 1))  # even empty
                     figures.wire_bytes += payload.numel() + header.numel() * 8
                     figures.chunks += 1
                     figures.delta_chunks += kind != WHOLE
@@ -190,7 +206,10 @@ class DeltaSender:
 
 class DeltaReceiver:
     """A node's side (the actor that takes the node's stream): its base, the last version
-    it verified, and the scratch a compressed delta lands in."""
+    it verified, and the scratch a delta's payload lands in."""
+
+    #: test hook, see :data:`HeaderHook` (None in normal use)
+    header_hook: ClassVar[HeaderHook | None] = None
 
     def __init__(self, layout: Layout, worker_idx: int) -> None:
         self.layout = layout
@@ -220,17 +239,13 @@ class DeltaReceiver:
             arriving = None
             if index < len(pieces):  # post chunk index's payload, then rebuild the one before
                 wait_work(heads[index], timeout)
-                kind, size, want = (int(v) for v in headers[index].tolist())
-                target = (pieces[index] if kind == WHOLE and size == pieces[index].numel()
-                          else self._payload(index % 2, size))
-                work = pg.recv([target], 0, 2 * index + 1) if size else None
-                arriving = (index, kind, work, target, want)
+                arriving = self._post_payload(pg, index, headers[index], pieces[index],
+                                              bases is not None, bad)
             if pending is not None:
                 done, kind, work, payload, want = pending
-                if work is not None:
-                    wait_work(work, timeout)
-                why = self._rebuild(done, kind, payload, pieces[done], bases)
-                if why is None:
+                wait_work(work, timeout)
+                why = None if kind < 0 else self._rebuild(done, kind, payload, pieces[done], bases)
+                if why is None and kind >= 0:
                     if hook is not None:
                         hook([pieces[done]])
                     if signed(wire_checksum(pieces[done])) != want:
@@ -239,33 +254,49 @@ class DeltaReceiver:
                     bad.append((done, why))
             pending = arriving
         if bad:
+            bad.sort()
             first, why = bad[0]
             raise IntegrityError(
-                f"worker {self.worker_idx}: version {version} rebuilt from "
-                f"{'deltas' if usable else 'whole chunks'} does not match the sender: "
-                f"{len(bad)} chunk(s) of {len(pieces)} refused (first: chunk {first}, {why}); "
-                "no worker takes it, and this node gets it whole")
+                f"worker {self.worker_idx} (host {socket.gethostname()}): version {version} "
+                f"rebuilt from {'deltas' if usable else 'whole chunks'} does not match the "
+                f"sender: {len(bad)} chunk(s) of {len(pieces)} refused (first: chunk {first}, "
+                f"{why}); no worker takes it, and this node gets it whole")
         self._remember(buffers, str(plan["id"]))
+
+    def _post_payload(self, pg: Any, index: int, header: torch.Tensor, piece: torch.Tensor,
+                      has_base: bool, bad: list[tuple[int, str]]
+                      ) -> tuple[int, int, Any, torch.Tensor, int]:
+        """Check chunk ``index``'s ``header`` and post the receive of its payload: into the
+        chunk itself when whole, else into scratch room for one chunk (a payload never
+        takes more). ``(index, kind, work, payload, checksum)``; kind -1 if the header was
+        refused (appended to ``bad``): its payload is still taken, then dropped."""
+        if DeltaReceiver.header_hook is not None:
+            DeltaReceiver.header_hook(index, header)
+        kind, size, want = (int(v) for v in header.tolist())
+        problem = header_problem(kind, size, piece.numel(), has_base)
+        if problem is not None:
+            bad.append((index, f"its header is refused: {problem}"))
+            kind, size = -1, 0
+        room = piece if kind == WHOLE else self._payload(index % 2, piece.numel())
+        work = pg.recv([room], 0, 2 * index + 1)
+        return index, kind, work, room[:size], want
 
     def _rebuild(self, index: int, kind: int, payload: torch.Tensor, piece: torch.Tensor,
                  bases: Sequence[torch.Tensor] | None) -> str | None:
         """Rebuild chunk ``index`` into ``piece`` from what arrived (``payload``: the chunk
-        itself when whole); why not, if it cannot be."""
-        if payload.data_ptr() == piece.data_ptr() and kind == WHOLE:
+        itself when whole; the header was checked); why not, if it cannot be."""
+        if kind == WHOLE:
             return None
-        if kind not in (DELTA, SAME, SPARSE):
-            return f"unknown chunk kind {kind} of {payload.numel()} bytes"
-        if bases is None:
-            return "this node does not hold the version it is a delta of"
+        assert bases is not None  # header_problem refuses a delta without a base
         try:
             self._decoder.decode(kind, payload, bases[index], piece)
-        except ValueError as exc:
+        except MalformedDeltaError as exc:
             return str(exc)
         return None
 
     def _payload(self, slot: int, size: int) -> torch.Tensor:
         """Scratch ``slot`` (two: one is rebuilt from while the other arrives), ``size``
-        bytes."""
+        bytes (at most a chunk's)."""
         scratch = self._scratch[slot]
         if scratch.numel() < size:
             scratch = self._scratch[slot] = torch.empty(size, dtype=torch.uint8)
