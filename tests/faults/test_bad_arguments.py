@@ -255,6 +255,13 @@ def timeout_entry_points(tmp_path):
             ("TorchRL scheme connect_timeout", "connect_timeout", False,
              lambda t: ws_torchrl.MultiProcessWeightSyncScheme(connect_timeout=t)),
         ]
+        if importlib.util.find_spec("vllm") is not None:
+            from weightsync.integrations.torchrl.llm import (
+                VLLMDoubleBufferSyncScheme as TorchRLVLLMScheme,
+            )
+
+            points.append(("TorchRL vLLM scheme", "timeout", False,
+                           lambda t: TorchRLVLLMScheme(str(tmp_path / "w"), timeout=t)))
     return points, (sender, receiver, shm, lambda: pending[0] and wait_async(5))
 
 
