@@ -50,13 +50,17 @@ def damage_tensor(buffer: torch.Tensor, kind: str, start: int = 0) -> None:
 
 
 def damage_slot(path: Path, kind: str, tensor: str | None = None) -> None:
-    """Damage the bytes of ``tensor`` (default: the first in the file) in the slot file at
-    ``path``, in place."""
+    """Damage the bytes of ``tensor`` (default: the first in the file that is large enough)
+    in the slot file at ``path``, in place."""
     with open(path, "r+b") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(n))
         header.pop("__metadata__", None)
-        name = tensor or min(header, key=lambda k: header[k]["data_offsets"][0])
+        def size(key: str) -> int:
+            return int(header[key]["data_offsets"][1] - header[key]["data_offsets"][0])
+
+        name = tensor or min((k for k in header if size(k) >= NEEDS),
+                             key=lambda k: header[k]["data_offsets"][0])
         begin, end = header[name]["data_offsets"]
         if end - begin < NEEDS:
             raise ValueError(f"tensor {name!r} has {end - begin} bytes, {kind} needs {NEEDS}")

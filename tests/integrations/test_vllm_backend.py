@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_model as vm
+from slot_damage import KINDS, damage_slot
 
 import weightsync as ws
+from weightsync.transports.directory.manifest import read_manifest, slot_path
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -65,6 +67,34 @@ def test_vllm_calls_load_the_named_version(served, directory: Path):
         llm.finish_weight_update(weight_version="5")
         llm.reset_prefix_cache()
         assert vm.vllm_greedy(llm) == vm.transformers_greedy(trainer)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_swapped_or_compensating_bytes_never_reach_the_engine(served, directory: Path, kind):
+    """A committed slot damaged in a way a sum of 64-bit words misses (pages or rows
+    swapped, a +x/-x pair, two top bits flipped): the engine refuses it and keeps serving
+    the version it holds."""
+    llm, trainer = served.llm, vm.build_model()
+    held = vm.build_model()
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1)
+    with scheme.create_sender() as sender:
+        sender.register_model(trainer)
+        sender.update_weights()
+        llm.init_weight_transfer_engine({"init_info": {"directory": str(directory)}})
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": 0}})
+        llm.finish_weight_update(weight_version="0")
+        vm.perturb(trainer, 1)
+        version = sender.update_weights()
+        manifest = read_manifest(directory)
+        assert manifest is not None
+        damage_slot(slot_path(directory, manifest.latest.slot), kind)
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="checksum mismatch"):
+            llm.update_weights({"update_info": {"version": version}})  # vLLM ends the update
+        llm.reset_prefix_cache()
+        assert llm.get_weight_version() == "0"
+        assert vm.vllm_greedy(llm) == vm.transformers_greedy(held)
 
 
 def test_trainer_engine_drives_a_whole_update_with_bfloat16_slots(served, directory: Path):
