@@ -146,23 +146,47 @@ def _byte_terms(data: torch.Tensor, position: int) -> int:
     return total & _MASK
 
 
+#: whole blocks summed at once by the torch form (a 32 MiB int64 temporary)
+_TORCH_BLOCKS = 64
+
+
+def _block_sum_torch(lanes: torch.Tensor, table: torch.Tensor, block: int) -> int:
+    """One (partial) block: ``table`` holds the weights of its lanes."""
+    inner = int(((lanes.to(torch.int64) & 0xFFFFFFFF) * table).sum()) & _MASK
+    return inner * block_multiplier(block)
+
+
 def _lanes_torch(data: torch.Tensor, first_lane: int) -> int:
     """What the whole lanes of ``data`` (uint8, a multiple of 4 bytes) add at absolute lane
-    ``first_lane``, in torch (int64 products wrap as uint64 would)."""
+    ``first_lane``, in torch (int64 products and sums wrap as uint64 would): a partial
+    block at each end, whole blocks many at a time (one device sync per group)."""
     if data.storage_offset() % 4:
         data = data.clone()
     lanes = data.view(torch.int32)
     table = _weights_on(lanes.device)
-    total, done = 0, 0
-    while done < lanes.numel():
-        lane = first_lane + done
-        block, j = divmod(lane, BLOCK_LANES)
-        run = min(BLOCK_LANES - j, lanes.numel() - done)
-        values = lanes[done:done + run].to(torch.int64) & 0xFFFFFFFF
-        inner = int((values * table[j:j + run]).sum()) & _MASK
-        total += inner * block_multiplier(block)
-        done += run
+    n, total = lanes.numel(), 0
+    block, j = divmod(first_lane, BLOCK_LANES)
+    done = min(n, (BLOCK_LANES - j) % BLOCK_LANES)
+    if done:
+        total += _block_sum_torch(lanes[:done], table[j:j + done], block)
+        block += 1
+    while n - done >= BLOCK_LANES:
+        count = min(_TORCH_BLOCKS, (n - done) // BLOCK_LANES)
+        group = lanes[done:done + count * BLOCK_LANES].view(count, BLOCK_LANES)
+        inner = ((group.to(torch.int64) & 0xFFFFFFFF) * table).sum(dim=1)
+        factors = torch.tensor([_signed(block_multiplier(block + q)) for q in range(count)],
+                               dtype=torch.int64, device=lanes.device)
+        total += int((inner * factors).sum())
+        done += count * BLOCK_LANES
+        block += count
+    if done < n:
+        total += _block_sum_torch(lanes[done:], table[:n - done], block)
     return total & _MASK
+
+
+def _signed(value: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def torch_share(data: torch.Tensor, position: int = 0) -> int:
@@ -209,29 +233,33 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def share(data: torch.Tensor, position: int = 0) -> int:
+def share(data: torch.Tensor, position: int = 0, *, parallel: bool = True) -> int:
     """What the bytes of ``data`` add to the checksum of a buffer in which they lie at
     byte ``position``: shares of disjoint ranges add up (mod 2**64) to the whole's. A
     large range is cut at lane boundaries and summed on several threads (the kernel
-    releases the GIL)."""
+    releases the GIL) unless ``parallel`` is False (a piece just written, still in this
+    thread's cache)."""
     raw = _bytes_of(data)
     kernels = _kernels() if raw.device.type == "cpu" else None
     if kernels is None:
         return torch_share(raw, position)
     range_kernel, _, lanes = kernels
     array = raw.numpy()
-    n = array.shape[0]
-    parts = _threads(n)
-    if parts == 1:
-        return int(range_kernel(array, 0, n, position, lanes, BLOCK_LANES, BLOCK_SEED))
-    cuts = [0] + [min(n, (n * k // parts) // 4 * 4 + (-position) % 4) for k in range(1, parts)] + [n]
 
-    def part(k: int) -> int:
-        lo, hi = cuts[k], cuts[k + 1]
+    def part(lo: int, hi: int) -> int:
         return int(range_kernel(array, lo, hi, position + lo, lanes, BLOCK_LANES, BLOCK_SEED))
 
-    others = list(_executor(parts - 1).map(part, range(1, parts)))
-    return combine([part(0), *others])
+    return _split(array.shape[0], position, part, _threads(array.shape[0]) if parallel else 1)
+
+
+def _split(n: int, position: int, part: Any, parts: int) -> int:
+    """``part(lo, hi)`` over ``0..n`` cut at lane boundaries into ``parts`` summed on as
+    many threads, added up."""
+    if parts == 1:
+        return int(part(0, n))
+    cuts = [0] + [min(n, (n * k // parts) // 4 * 4 + (-position) % 4) for k in range(1, parts)] + [n]
+    others = list(_executor(parts - 1).map(lambda k: part(cuts[k], cuts[k + 1]), range(1, parts)))
+    return combine([part(cuts[0], cuts[1]), *others])
 
 
 def checksum(data: torch.Tensor) -> int:
