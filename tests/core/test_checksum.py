@@ -52,6 +52,8 @@ def test_weights_are_distinct_nonzero_32_bit_and_fixed():
     assert table[:3].tolist() == [763030490, 3956048596, 2860626181]
     assert table[-1] == ck.fmix32(ck.WEIGHT_SEED + ck.BLOCK_LANES - 1)
     assert ck.checksum(torch.arange(256, dtype=torch.uint8)) == 5922382701733650060
+    three_blocks = torch.arange(ck.BLOCK_LANES + 3, dtype=torch.int64)
+    assert ck.checksum(three_blocks) == 13187116910489401357
 
 
 @pytest.mark.parametrize(("n", "position"), [(0, 0), (1, 0), (3, 5), (17, 3), (1001, 2),
@@ -70,6 +72,21 @@ def test_numba_gives_the_torch_numbers(n):
         piece = data[start:]
         for position in (0, start, 4 * ck.BLOCK_LANES - 5):
             assert ck.share(piece, position) == ck.torch_share(piece, position)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_sum_split_across_threads_gives_the_same_number(monkeypatch, threads):
+    if not ck.accelerated():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(ck, "PARALLEL_BYTES", 4096)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = _random(5 * ck.BLOCK_LANES + 4099, threads)
+        for start, position in ((0, 0), (1, 1), (3, 4 * ck.BLOCK_LANES - 2), (2, 7)):
+            assert ck.share(data[start:], position) == ck.torch_share(data[start:], position)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_strided_shares_match_the_torch_numbers(monkeypatch):

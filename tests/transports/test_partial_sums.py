@@ -10,7 +10,7 @@ import torch
 
 from weightsync.core.layout import Layout, TensorSpec
 from weightsync.transports.directory.partial_sums import BucketGeometry, combine, region_sums
-from weightsync.transports.directory.slots import bucket_checksums, file_layout
+from weightsync.transports.directory.slots import bucket_checksums, file_layout, pack_with_checksums
 
 
 def _split(size: int, parts: int, rng: random.Random) -> list[tuple[int, int]]:
@@ -70,3 +70,18 @@ def test_many_misaligned_rows_use_column_sums() -> None:
     right = [("w", ((0, 301), (11, 37)))]
     shares = [region_sums(geometry, data, left), region_sums(geometry, data, right)]
     assert combine(shares) == bucket_checksums(layout, data)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_pack_sums_what_a_second_read_would(dtype) -> None:
+    """The commit pack sums each piece right after copying it (cast or not): the same
+    checksums as reading the slot again."""
+    generator = torch.Generator().manual_seed(3)
+    weights = {"a": torch.randn(1_100_001, generator=generator), "b": torch.randn(3, 7, generator=generator),
+               "c": torch.randint(0, 9, (13,), dtype=torch.int16, generator=generator)}
+    layout = file_layout(Layout([TensorSpec(k, tuple(v.shape), v.dtype) for k, v in weights.items()]), dtype)
+    data = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    sums = pack_with_checksums(layout, weights, data)
+    assert sums == bucket_checksums(layout, data)
+    views = layout.tensor_views({"cpu": data})
+    assert all(torch.equal(views[k], v.to(views[k].dtype)) for k, v in weights.items())

@@ -16,15 +16,19 @@ any byte range (:func:`share`) adds up with the others': sharded ranks each sum 
 wrote. It guards against corruption and misplaced writes, not against someone who can
 write the bytes and their checksum (that is the token's job).
 
-With numba (``core.checksum_kernels``) the sum runs as a vectorised kernel; without it, or
-for tensors outside the CPU (NCCL chunks), the same numbers come from torch (slower).
+With numba (``core.checksum_kernels``) the sum runs as a vectorised kernel, a large range
+split across torch's thread count; without it, or for tensors outside the CPU (NCCL
+chunks), the same numbers come from torch (slower).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -37,8 +41,12 @@ logger = logging.getLogger(__name__)
 CHECKSUM_ID = "lane32-weighted-v1"
 #: the functions a reader of this version can verify
 SUPPORTED = (CHECKSUM_ID,)
-#: lanes (4 bytes each) per block: swaps inside a block (4 MiB) are always caught
-BLOCK_LANES = 1 << 20
+#: lanes (4 bytes each) per block: swaps inside a block (256 KiB) are always caught. Its
+#: weights (256 KiB) stay in a core's L2 cache: a 4 MiB piece just written is summed at
+#: ~20 GB/s, against ~13 GB/s with 2**20 lanes, whose weights spill to L3
+BLOCK_LANES = 1 << 16
+#: bytes below which a sum stays on the calling thread (above it, split across threads)
+PARALLEL_BYTES = 1 << 20
 WEIGHT_SEED = 0x57534E43  # "WSNC"; WEIGHT_SEED + j never wraps to 0 for j < BLOCK_LANES
 BLOCK_SEED = 0x4E43424C4F434B53  # "NCBLOCKS"
 
@@ -138,23 +146,47 @@ def _byte_terms(data: torch.Tensor, position: int) -> int:
     return total & _MASK
 
 
+#: whole blocks summed at once by the torch form (a 32 MiB int64 temporary)
+_TORCH_BLOCKS = 64
+
+
+def _block_sum_torch(lanes: torch.Tensor, table: torch.Tensor, block: int) -> int:
+    """One (partial) block: ``table`` holds the weights of its lanes."""
+    inner = int(((lanes.to(torch.int64) & 0xFFFFFFFF) * table).sum()) & _MASK
+    return inner * block_multiplier(block)
+
+
 def _lanes_torch(data: torch.Tensor, first_lane: int) -> int:
     """What the whole lanes of ``data`` (uint8, a multiple of 4 bytes) add at absolute lane
-    ``first_lane``, in torch (int64 products wrap as uint64 would)."""
+    ``first_lane``, in torch (int64 products and sums wrap as uint64 would): a partial
+    block at each end, whole blocks many at a time (one device sync per group)."""
     if data.storage_offset() % 4:
         data = data.clone()
     lanes = data.view(torch.int32)
     table = _weights_on(lanes.device)
-    total, done = 0, 0
-    while done < lanes.numel():
-        lane = first_lane + done
-        block, j = divmod(lane, BLOCK_LANES)
-        run = min(BLOCK_LANES - j, lanes.numel() - done)
-        values = lanes[done:done + run].to(torch.int64) & 0xFFFFFFFF
-        inner = int((values * table[j:j + run]).sum()) & _MASK
-        total += inner * block_multiplier(block)
-        done += run
+    n, total = lanes.numel(), 0
+    block, j = divmod(first_lane, BLOCK_LANES)
+    done = min(n, (BLOCK_LANES - j) % BLOCK_LANES)
+    if done:
+        total += _block_sum_torch(lanes[:done], table[j:j + done], block)
+        block += 1
+    while n - done >= BLOCK_LANES:
+        count = min(_TORCH_BLOCKS, (n - done) // BLOCK_LANES)
+        group = lanes[done:done + count * BLOCK_LANES].view(count, BLOCK_LANES)
+        inner = ((group.to(torch.int64) & 0xFFFFFFFF) * table).sum(dim=1)
+        factors = torch.tensor([_signed(block_multiplier(block + q)) for q in range(count)],
+                               dtype=torch.int64, device=lanes.device)
+        total += int((inner * factors).sum())
+        done += count * BLOCK_LANES
+        block += count
+    if done < n:
+        total += _block_sum_torch(lanes[done:], table[:n - done], block)
     return total & _MASK
+
+
+def _signed(value: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def torch_share(data: torch.Tensor, position: int = 0) -> int:
@@ -171,16 +203,63 @@ def torch_share(data: torch.Tensor, position: int = 0) -> int:
     return total & _MASK
 
 
-def share(data: torch.Tensor, position: int = 0) -> int:
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _threads(nbytes: int) -> int:
+    """Threads for a sum of ``nbytes``: torch's thread count (the copies before it use as
+    many), at most one per :data:`PARALLEL_BYTES`."""
+    return max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES))
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="weightsync-checksum")
+            _pool_size = workers
+        return _pool
+
+
+def share(data: torch.Tensor, position: int = 0, *, parallel: bool = True) -> int:
     """What the bytes of ``data`` add to the checksum of a buffer in which they lie at
-    byte ``position``: shares of disjoint ranges add up (mod 2**64) to the whole's."""
+    byte ``position``: shares of disjoint ranges add up (mod 2**64) to the whole's. A
+    large range is cut at lane boundaries and summed on several threads (the kernel
+    releases the GIL) unless ``parallel`` is False (a piece just written, still in this
+    thread's cache)."""
     raw = _bytes_of(data)
     kernels = _kernels() if raw.device.type == "cpu" else None
     if kernels is None:
         return torch_share(raw, position)
     range_kernel, _, lanes = kernels
     array = raw.numpy()
-    return int(range_kernel(array, 0, array.shape[0], position, lanes, BLOCK_LANES, BLOCK_SEED))
+
+    def part(lo: int, hi: int) -> int:
+        return int(range_kernel(array, lo, hi, position + lo, lanes, BLOCK_LANES, BLOCK_SEED))
+
+    return _split(array.shape[0], position, part, _threads(array.shape[0]) if parallel else 1)
+
+
+def _split(n: int, position: int, part: Any, parts: int) -> int:
+    """``part(lo, hi)`` over ``0..n`` cut at lane boundaries into ``parts`` summed on as
+    many threads, added up."""
+    if parts == 1:
+        return int(part(0, n))
+    cuts = [0] + [min(n, (n * k // parts) // 4 * 4 + (-position) % 4) for k in range(1, parts)] + [n]
+    others = list(_executor(parts - 1).map(lambda k: part(cuts[k], cuts[k + 1]), range(1, parts)))
+    return combine([part(cuts[0], cuts[1]), *others])
 
 
 def checksum(data: torch.Tensor) -> int:
