@@ -28,25 +28,21 @@ class _Seen:
     shape: tuple[int, ...]
     dtype: torch.dtype
     version: int
+    index: torch.Tensor  # the sampled positions of the flattened tensor
     sample: torch.Tensor
 
 
-def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
-    count = min(SAMPLES, numel)
-    return torch.linspace(0, max(numel - 1, 0), count, device=device).round().long()
-
-
 @torch.no_grad()
-def _sample(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return flat.clone()
-    return flat.index_select(0, _sample_index(flat.numel(), flat.device)).clone()
+def _sample(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).index_select(0, index)
 
 
 def _seen(tensor: torch.Tensor) -> _Seen:
+    numel = tensor.numel()
+    index = torch.linspace(0, max(numel - 1, 0), min(SAMPLES, numel),
+                           device=tensor.device).round().long()
     return _Seen(id(tensor), tensor.data_ptr(), tuple(tensor.shape), tensor.dtype,
-                 tensor._version, _sample(tensor))
+                 tensor._version, index, _sample(tensor, index).clone())
 
 
 class FrozenWeights:
@@ -86,6 +82,6 @@ class FrozenWeights:
             return f"now {tuple(tensor.shape)} {tensor.dtype}, was {seen.shape} {seen.dtype}"
         if tensor._version != seen.version:
             return "it was written in place"
-        if not torch.equal(_sample(tensor), seen.sample):
+        if not torch.equal(_sample(tensor, seen.index), seen.sample):
             return "its values differ"
         return ""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from weightsync.core.frozen import FrozenWeights
+from weightsync.core.own_tensors import OwnTensors
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,9 @@ class LoraAdapter:
         self.peft_name = str(active)
         self.config = config
         self.config_json = config_json(config)
-        self._names = self._adapter_names(model, self.peft_name)
+        self._own = OwnTensors(model)  # walked once, walked again only if the tree changes
+        self._split: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self._names = self._adapter_names(self._own.get(), self.peft_name)
         if not self._names:
             raise ValueError(f"adapter={name!r}: the peft model has no LoRA weights for "
                              f"adapter {active!r}")
@@ -98,15 +101,10 @@ class LoraAdapter:
         self._guard: FrozenWeights | None = None
 
     @staticmethod
-    def _adapter_names(model: torch.nn.Module, adapter: str) -> dict[str, str]:
-        """Saved name -> parameter name, for every LoRA weight of ``adapter``."""
+    def _adapter_names(own: dict[str, torch.Tensor], adapter: str) -> dict[str, str]:
+        """Saved name -> state-dict name, for every LoRA weight of ``adapter``."""
         marker = re.compile(rf"\.(lora_A|lora_B)\.{re.escape(adapter)}\.weight$")
-        names = {}
-        for param_name, _ in model.named_parameters():
-            if marker.search(param_name):
-                saved = marker.sub(r".\1.weight", param_name)
-                names[saved] = param_name
-        return names
+        return {marker.sub(r".\1.weight", name): name for name in own if marker.search(name)}
 
     def _check_against_peft(self) -> None:
         """Where peft is importable: the names must be exactly those it saves (anything else
@@ -130,21 +128,31 @@ class LoraAdapter:
     def rank(self) -> int:
         return adapter_rank(json.loads(self.config_json))
 
-    def _base(self) -> dict[str, torch.Tensor]:
-        adapter = set(self._names.values())
-        base: dict[str, torch.Tensor] = {
-            n: p for n, p in self.model.named_parameters() if n not in adapter}
-        base.update(self.model.named_buffers())
-        return base
+    def _parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(adapter by saved name, base by state-dict name), split again only when the
+        module tree changed (:class:`OwnTensors` hands back the same dict until then)."""
+        own = self._own.get()
+        if self._split is None or self._split[0] != id(own):
+            missing = [n for n in self._names.values() if n not in own]
+            if missing:
+                raise ValueError(f"adapter={self.name!r}: the peft model lost {missing[0]!r} "
+                                 "since register_model")
+            # the parameters themselves: a send detaches them then, seeing ``.data`` swaps
+            adapter = {saved: own[name] for saved, name in self._names.items()}
+            kept = set(self._names.values())
+            base = {name: t for name, t in own.items() if name not in kept}
+            self._split = (id(own), adapter, base)
+        return self._split[1], self._split[2]
 
     def tensors(self, *, guard: bool = True) -> dict[str, torch.Tensor]:
-        """The adapter's weights by saved name. With ``guard``: the first call records the
+        """The adapter's weights by saved name (the live parameters, not to be modified:
+        the same dict while the module tree is unchanged). With ``guard``: the first call records the
         base, each later one checks it is unchanged (raising before anything is returned)."""
+        adapter, base = self._parts()
         if guard:
             if self._guard is None:
-                self._guard = FrozenWeights(self._base())
+                self._guard = FrozenWeights(base)
                 logger.debug("adapter %r: guarding %d base tensors", self.name, len(self._guard))
             else:
-                self._guard.check(self._base())
-        params = dict(self.model.named_parameters())
-        return {saved: params[param].detach() for saved, param in self._names.items()}
+                self._guard.check(base)
+        return adapter
