@@ -11,7 +11,7 @@ import torch
 
 import weightsync as ws
 from weightsync.core.errors import BaseWeightChangedError
-from weightsync.integrations.lora import ADAPTER_CONFIG_KEY, ADAPTER_NAME_KEY
+from weightsync.schemes.lora import ADAPTER_CONFIG_KEY, ADAPTER_NAME_KEY
 from weightsync.transports.directory.manifest import read_manifest, slot_path
 
 peft = pytest.importorskip("peft")

@@ -19,9 +19,9 @@ import torch
 from weightsync.core.deadline import checked_timeout
 from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.core.strategy import WeightStrategy
-from weightsync.integrations.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
+from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.ranks import trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender

@@ -31,8 +31,8 @@ from typing import Any, cast
 from weightsync.core.checks import checked_int
 from weightsync.core.deadline import Deadline, positive_timeout
 from weightsync.core.errors import AdapterRankError, WeightSyncError, WeightSyncTimeoutError
-from weightsync.integrations.lora import ADAPTER_CONFIG_KEY, ADAPTER_NAME_KEY, adapter_rank
 from weightsync.integrations.vllm.extension import engine_directory
+from weightsync.schemes.lora import ADAPTER_CONFIG_KEY, ADAPTER_NAME_KEY, adapter_rank
 from weightsync.transports.directory.files import DEFAULT_FILE_MODE, fsync_directory
 from weightsync.transports.directory.manifest import Commit, SlotFile
 from weightsync.transports.directory.reader import DirectoryReader
