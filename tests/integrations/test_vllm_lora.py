@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_LORA_RANK = 8
 HERE = Path(__file__).parent
+LONG_PROMPT = [(7 * i + 3) % 500 + 1 for i in range(72)]  # 2 full 32-token blocks: cacheable
 
 
 class LoraEngine:
@@ -179,4 +180,21 @@ def test_an_adapter_above_max_lora_rank_is_refused_before_any_load(
     assert (caught.value.rank, caught.value.max_rank) == (64, MAX_LORA_RANK)
     assert set(engine.llm.llm_engine.list_loras()) == loaded_before
     assert adapter_versions(engine.llm) == versions_before
+    engine.check_base()
+
+
+def test_two_trainers_calling_their_adapters_alike_stay_apart(engine: LoraEngine, tmp_path: Path):
+    """Two directories whose adapters share the name "policy" and version numbers, loaded
+    in turns: each load gets its own files and LoRA id, and answers as its own trainer."""
+    first, second = vm.peft_model(), vm.peft_model()
+    vm.set_adapter(second, 40)
+    with _sender(tmp_path / "a", first) as a, _sender(tmp_path / "b", second) as b:
+        a.update_weights()
+        b.update_weights()
+        prompts = [*vm.PROMPTS, LONG_PROMPT]  # a cached prefix of one must not serve the other
+        for model, directory in [(first, "a"), (second, "b"), (first, "a"), (second, "b")]:
+            request = update_adapter(engine.llm, str(tmp_path / directory))
+            assert request.lora_name == "policy-v0"
+            assert vm.vllm_greedy(engine.llm, prompts, lora_request=request) == \
+                vm.merged_greedy(model, prompts)
     engine.check_base()

@@ -50,7 +50,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                + 2 * ("file" in args.transports)
                                + ("sharded" in args.transports)
                                + 2 * (len(args.workers) + 1) * ("ray-delta" in args.transports))
-    total += (len(args.lora_ranks) + 2) * ("lora" in args.transports)
+    total += (args.repeats + 3) * ("lora" in args.transports)
     progress, stop = _progress(total)
     notes: list[str] = []
     rows: list[BenchRow] = []

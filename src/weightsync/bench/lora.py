@@ -6,9 +6,10 @@ rank sits on every attention and MLP projection. Per version:
 
 * adapter only: ``update_weights()`` of ``VLLMDoubleBufferSyncScheme(adapter=...)`` (the
   base guard included), then ``update_adapter(llm, directory)``: the adapter is loaded in
-  the engine (vLLM copies it into its LoRA slots at the first request that uses it);
-* full merged (today's path): the adapter merged into the base in the trainer, every weight
-  written by ``update_weights()``, then ``update_engine(llm)`` (pause, load, reset, resume).
+  the engine and activated in its LoRA slot;
+* full merged (today's path): every weight of the merged model written by
+  ``update_weights()``, then ``update_engine(llm)`` (pause, load, reset, resume); the merge
+  itself is not timed.
 
 Rows are seconds per version applied in the engine, commit included; the floor column is
 the full merged sync of the same run, so "x floor" is the adapter's share of it.
@@ -53,107 +54,102 @@ def _engine(model_dir: Path, max_rank: int) -> Any:
 
 
 @torch.no_grad()
-def _step(model: Any, step: int) -> None:
-    """A stand-in for a training step of the adapter: new seeded LoRA weights."""
+def _step(model: Any, adapter: str, step: int) -> None:
+    """A stand-in for a training step of ``adapter``: new seeded LoRA weights for it."""
     gen = torch.Generator().manual_seed(step)
     for name, p in model.named_parameters():
-        if ".lora_" in name:
+        if f".{adapter}." in name and ".lora_" in name:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
 
 
-def _adapter_times(llm: Any, model: Any, root: Path, rank: int, repeats: int,
-                   ) -> tuple[list[float], int, float]:
-    """Seconds per adapter version applied, the bytes of one version, and the median
-    seconds of the base guard alone."""
-    import weightsync as ws
-    from weightsync.integrations.vllm import update_adapter
+def _peft_model(ranks: Sequence[int]) -> Any:
+    """The small demo model with one adapter per rank (named ``r8``, ``r16``...), on every
+    projection; the base is shared, as it is in the engine."""
+    import peft
 
-    directory = root / f"adapter-r{rank}"
-    times: list[float] = []
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, adapter="policy")
-    with scheme.create_sender() as sender:
-        sender.register_model(model)
-        for i in range(repeats + 2):
-            _step(model, i)
-            t0 = time.perf_counter()
-            sender.update_weights()
-            update_adapter(llm, str(directory))
-            if i > 1:  # every slot written once: warm
-                times.append(time.perf_counter() - t0)
-        nbytes = int(sender.stats()["layout_nbytes"])
-        adapter = sender._adapter
-        assert adapter is not None
-        guard = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            adapter.tensors()
-            guard.append(time.perf_counter() - t0)
-    return times, nbytes, statistics.median(guard)
+    from weightsync.demo import llm_task as task
 
-
-def _full_times(llm: Any, model: Any, root: Path, repeats: int) -> tuple[list[float], int]:
-    """Seconds per full merged version applied (merge, commit, update_engine)."""
-    import weightsync as ws
-    from weightsync.integrations.vllm import connect_engine, update_engine
-
-    directory = root / "full"
-    merged = model.merge_and_unload()  # the base with the adapter folded in, as served
-    times: list[float] = []
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1)
-    with scheme.create_sender() as sender:
-        sender.register_model(merged)
-        sender.update_weights()
-        connect_engine(llm, str(directory))
-        for i in range(repeats + 2):
-            with torch.no_grad():  # a new merged version: the merged projections change
-                merged.model.layers[0].self_attn.q_proj.weight.add_(1e-4)
-            t0 = time.perf_counter()
-            version = sender.update_weights()
-            update_engine(llm, version)
-            if i > 1:
-                times.append(time.perf_counter() - t0)
-        nbytes = int(sender.stats()["layout_nbytes"])
-    return times, nbytes
+    model = None
+    for rank in ranks:
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                 target_modules=PROJECTIONS)
+        if model is None:
+            model = peft.get_peft_model(task.build_model("small", 0).eval(), config,
+                                        adapter_name=f"r{rank}")
+        else:
+            model.add_adapter(f"r{rank}", config)
+    return model
 
 
 def run_lora_bench(ranks: Sequence[int], repeats: int,
                    progress: Callable[[str], None] | None = None,
                    notes: list[str] | None = None) -> list[BenchRow]:
-    """One row per adapter rank and one for the full merged sync, in one engine."""
-    import peft
-
+    """One row per adapter rank and one for the full merged sync, in one engine; the
+    versions of each take turns, so a busy machine slows them alike."""
+    import weightsync as ws
     from weightsync.demo import llm_task as task
+    from weightsync.integrations.vllm import connect_engine, update_adapter, update_engine
 
     root = Path(tempfile.mkdtemp(prefix="weightsync-bench-lora-", dir=_shm()))
     llm = None
+    senders: dict[int, Any] = {}
     try:
-        base = task.build_model("small", 0).eval()
-        task.save_checkpoint(base, root / "model")
+        full_model = task.build_model("small", 0).eval()  # stands for the merged weights
+        task.save_checkpoint(full_model, root / "model")
         if progress:
             progress("lora: starting the vLLM engine")
         llm = _engine(root / "model", max(ranks))
-        measured = []
+        model = _peft_model(ranks)
         for rank in ranks:
+            model.set_adapter(f"r{rank}")
+            scheme = ws.VLLMDoubleBufferSyncScheme(root / f"r{rank}", adapter=f"policy-r{rank}")
+            senders[rank] = scheme.create_sender()
+            senders[rank].register_model(model)
+        full = ws.VLLMDoubleBufferSyncScheme(root / "full").create_sender()
+        senders[0] = full
+        full.register_model(full_model)
+        full.update_weights()
+        connect_engine(llm, str(root / "full"))
+        times: dict[int, list[float]] = {rank: [] for rank in [*ranks, 0]}
+        for i in range(repeats + 2):
             if progress:
-                progress(f"lora rank {rank}")
-            config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                     target_modules=PROJECTIONS)
-            model = peft.get_peft_model(task.build_model("small", 0).eval(), config)
-            times, nbytes, guard = _adapter_times(llm, model, root, rank, repeats)
-            measured.append((rank, times, nbytes))
-            if notes is not None:
-                notes.append(f"lora rank {rank}: the base guard (no base weight changed) took "
-                             f"{guard * 1e3:.2f} ms per version")
-        if progress:
-            progress("lora: full merged sync")
-        full, full_bytes = _full_times(llm, model, root, repeats)
-        floor = statistics.median(full)
-        size = format_size(full_bytes)
-        rows = [make_row(f"lora adapter r{rank} (vLLM)", format_size(nbytes), nbytes, 1, times,
-                         floor, FULL_FLOOR) for rank, times, nbytes in measured]
-        rows.append(make_row("full merged (vLLM)", size, full_bytes, 1, full, floor, FULL_FLOOR))
+                progress(f"lora: round {i + 1} of {repeats + 2}")
+            for rank in ranks:
+                _step(model, f"r{rank}", i)
+                t0 = time.perf_counter()
+                senders[rank].update_weights()
+                update_adapter(llm, str(root / f"r{rank}"))
+                if i > 1:  # every slot written once: warm
+                    times[rank].append(time.perf_counter() - t0)
+            with torch.no_grad():  # a new merged version: the merged projections move
+                full_model.model.layers[0].self_attn.q_proj.weight.add_(1e-4)
+            t0 = time.perf_counter()
+            update_engine(llm, full.update_weights())
+            if i > 1:
+                times[0].append(time.perf_counter() - t0)
+        floor = statistics.median(times[0])
+        rows = []
+        for rank in ranks:
+            nbytes = int(senders[rank].stats()["layout_nbytes"])
+            rows.append(make_row(f"lora adapter r{rank} (vLLM)", format_size(nbytes), nbytes,
+                                 1, times[rank], floor, FULL_FLOOR))
+        nbytes = int(full.stats()["layout_nbytes"])
+        rows.append(make_row("full merged (vLLM)", format_size(nbytes), nbytes, 1, times[0],
+                             floor, FULL_FLOOR))
+        if notes is not None:
+            adapter = senders[ranks[0]].lora_adapter
+            guard = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                adapter.tensors()
+                guard.append(time.perf_counter() - t0)
+            notes.append(f"lora: the base guard (no base weight changed since connect) takes "
+                         f"{statistics.median(guard) * 1e3:.2f} ms per adapter version "
+                         f"(included above); the full merged rows exclude the merge itself")
         return rows
     finally:
+        for sender in senders.values():
+            sender.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(root, ignore_errors=True)

@@ -167,6 +167,11 @@ class VLLMDoubleBufferWeightSender(WeightSender):
         assert isinstance(self.writer, DirectoryWriter)
         self.writer.slot_metadata = adapter.metadata()
 
+    @property
+    def lora_adapter(self) -> LoraAdapter | None:
+        """The registered adapter (``adapter=`` schemes), None before ``register_model``."""
+        return self._adapter
+
     def _weights_to_send(self, weights: Any) -> Any:
         if weights is None and self._adapter is not None:
             weights = self._adapter.tensors()  # raises if the base changed: nothing written

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 ADAPTER_NAME_KEY = "weightsync.adapter"
 ADAPTER_CONFIG_KEY = "weightsync.adapter_config"
 
+#: a state-dict name of any adapter's LoRA weights (peft's layer attributes)
+_ANY_LORA = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
 #: names an adapter may be served under: they become file and request names
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -139,8 +142,8 @@ class LoraAdapter:
                                  "since register_model")
             # the parameters themselves: a send detaches them then, seeing ``.data`` swaps
             adapter = {saved: own[name] for saved, name in self._names.items()}
-            kept = set(self._names.values())
-            base = {name: t for name, t in own.items() if name not in kept}
+            # the base: all but LoRA weights (this adapter's, and any other the model holds)
+            base = {name: t for name, t in own.items() if not _ANY_LORA.search(name)}
             self._split = (id(own), adapter, base)
         return self._split[1], self._split[2]
 

@@ -56,22 +56,24 @@ class _Loaded:
 
 @dataclass
 class _EngineAdapters:
-    """What one engine holds: the reader of the directory it follows, the loaded versions
-    (oldest first) and the private directory their files live in."""
+    """What one engine holds: a reader per directory it was pointed at (its slots stay
+    mapped), the loaded versions (oldest first) and the private directory their files
+    live in."""
 
-    reader: DirectoryReader
     files: Path
+    readers: dict[tuple[str, int], DirectoryReader] = field(default_factory=dict)
     loaded: list[_Loaded] = field(default_factory=list)
     next_id: int = 1
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def follow(self, directory: str, worker_idx: int) -> None:
-        """Read ``directory`` as worker ``worker_idx`` from now on (versions loaded from
+    def reader(self, directory: str, worker_idx: int) -> DirectoryReader:
+        """The reader of ``directory`` as worker ``worker_idx`` (versions loaded from
         another directory stay until a version of this one replaces them)."""
-        reader = self.reader
-        if (str(reader.directory), reader.worker_idx) != (directory, worker_idx):
-            reader.close()
-            self.reader = DirectoryReader(Path(directory), worker_idx, mode=DEFAULT_FILE_MODE)
+        key = (directory, worker_idx)
+        if key not in self.readers:
+            self.readers[key] = DirectoryReader(Path(directory), worker_idx,
+                                                mode=DEFAULT_FILE_MODE)
+        return self.readers[key]
 
     def serving(self, directory: str, version: int) -> _Loaded | None:
         newest = self.loaded[-1] if self.loaded else None
@@ -89,13 +91,12 @@ def _files_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-def _state(llm: Any, directory: str, worker_idx: int) -> _EngineAdapters:
+def _state(llm: Any) -> _EngineAdapters:
     with _engines_lock:
         state = _engines.get(llm)
         if state is None:
             files = Path(tempfile.mkdtemp(prefix="weightsync-lora-", dir=_files_root()))
-            reader = DirectoryReader(Path(directory), worker_idx, mode=DEFAULT_FILE_MODE)
-            state = _engines[llm] = _EngineAdapters(reader, files)
+            state = _engines[llm] = _EngineAdapters(files)
             weakref.finalize(llm, shutil.rmtree, files, True)  # also run at exit
         return state
 
@@ -131,18 +132,19 @@ def update_adapter(llm: Any, directory: str, *, timeout: float = 60.0, keep: int
                          f"max_loras={max_loras}")
     directory = engine_directory(directory)
     worker_idx = checked_int(worker_idx, "worker_idx")
-    state = _state(llm, directory, worker_idx)
+    state = _state(llm)
     with state.lock:
-        state.follow(directory, worker_idx)
+        reader = state.reader(directory, worker_idx)
         while True:
-            manifest = state.reader.manifest()
+            manifest = reader.manifest()
             if manifest is not None:
                 commit = manifest.for_worker(worker_idx)
                 current = state.serving(directory, commit.version)
                 if current is not None:
-                    state.reader.ack(commit.version)
+                    reader.ack(commit.version)
                     return current.request
-                staged = _stage(state, commit, int(lora_config.max_lora_rank))
+                staged = _stage(reader, state.files, commit, int(lora_config.max_lora_rank),
+                                state.next_id)
                 if staged is not None:
                     break
             if deadline.expired():
@@ -162,7 +164,7 @@ def update_adapter(llm: Any, directory: str, *, timeout: float = 60.0, keep: int
             raise
         state.loaded.append(_Loaded(directory, commit.version, request, path))
         _evict(llm, state, keep=keep)
-        state.reader.ack(commit.version)
+        reader.ack(commit.version)
     logger.info("vLLM engine serves adapter %s (%d version(s) loaded)", request.lora_name,
                 len(state.loaded))
     return request
@@ -174,11 +176,12 @@ def _lora_request(name: str, lora_id: int, path: str) -> Any:
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
 
 
-def _stage(state: _EngineAdapters, commit: Commit, max_rank: int) -> tuple[str, Path] | None:
-    """Copy ``commit``'s slot, under its read lock and verified, into a new per-version
-    directory; returns (adapter name, directory), or None if the slot is busy or the
-    version left it (the caller reads the manifest again)."""
-    with state.reader.locked(commit) as slot:
+def _stage(reader: DirectoryReader, files: Path, commit: Commit, max_rank: int,
+           lora_id: int) -> tuple[str, Path] | None:
+    """Copy ``commit``'s slot, under its read lock and verified, into a new directory for
+    LoRA id ``lora_id``; returns (adapter name, directory), or None if the slot is busy or
+    the version left it (the caller reads the manifest again)."""
+    with reader.locked(commit) as slot:
         if slot is None:
             return None
         name, config = _adapter_of(slot, commit.version)
@@ -188,7 +191,10 @@ def _stage(state: _EngineAdapters, commit: Commit, max_rank: int) -> tuple[str, 
                 f"adapter {name} version {commit.version} has rank {rank}, above the engine's "
                 f"max_lora_rank={max_rank}: start vLLM with max_lora_rank >= {rank} (nothing "
                 "was loaded)", rank=rank, max_rank=max_rank)
-        return name, _copy_version(state.files, f"{name}-v{commit.version}", slot, config)
+        # named by the LoRA id too: one directory per load, never shared nor reused (two
+        # trainers may both call their adapter "policy"); vLLM's prefix cache keys on the
+        # path as well as the name, so no cached block crosses two loads either
+        return name, _copy_version(files, f"{name}-v{commit.version}.{lora_id}", slot, config)
 
 
 def _adapter_of(slot: SlotFile, version: int) -> tuple[str, dict[str, Any]]:
@@ -217,7 +223,6 @@ def _copy_version(files: Path, name: str, slot: SlotFile, config: dict[str, Any]
         with open(tmp / ADAPTER_WEIGHTS, "wb") as out:
             out.write(cast(Any, slot.file_bytes.numpy()).data)  # no intermediate copy
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config))
-        shutil.rmtree(final, ignore_errors=True)  # a leftover of a failed load
         os.replace(tmp, final)
         fsync_directory(files)
     except BaseException:
