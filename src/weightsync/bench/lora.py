@@ -62,7 +62,7 @@ def _step(model: Any, adapter: str, step: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
 
 
-def _peft_model(ranks: Sequence[int]) -> Any:
+def _peft_model(ranks: Sequence[int], size: str) -> Any:
     """The small demo model with one adapter per rank (named ``r8``, ``r16``...), on every
     projection; the base is shared, as it is in the engine."""
     import peft
@@ -74,7 +74,7 @@ def _peft_model(ranks: Sequence[int]) -> Any:
         config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                  target_modules=PROJECTIONS)
         if model is None:
-            model = peft.get_peft_model(task.build_model("small", 0).eval(), config,
+            model = peft.get_peft_model(task.build_model(size, 0).eval(), config,
                                         adapter_name=f"r{rank}")
         else:
             model.add_adapter(f"r{rank}", config)
@@ -83,9 +83,10 @@ def _peft_model(ranks: Sequence[int]) -> Any:
 
 def run_lora_bench(ranks: Sequence[int], repeats: int,
                    progress: Callable[[str], None] | None = None,
-                   notes: list[str] | None = None) -> list[BenchRow]:
+                   notes: list[str] | None = None, model_size: str = "small") -> list[BenchRow]:
     """One row per adapter rank and one for the full merged sync, in one engine; the
-    versions of each take turns, so a busy machine slows them alike."""
+    versions of each take turns, so a busy machine slows them alike. ``model_size``: the
+    LLM demo's model (``small``: ~100 M parameters; ``tiny`` for a quick check)."""
     import weightsync as ws
     from weightsync.demo import llm_task as task
     from weightsync.integrations.vllm import connect_engine, update_adapter, update_engine
@@ -94,12 +95,12 @@ def run_lora_bench(ranks: Sequence[int], repeats: int,
     llm = None
     senders: dict[int, Any] = {}
     try:
-        full_model = task.build_model("small", 0).eval()  # stands for the merged weights
+        full_model = task.build_model(model_size, 0).eval()  # stands for the merged weights
         task.save_checkpoint(full_model, root / "model")
         if progress:
             progress("lora: starting the vLLM engine")
         llm = _engine(root / "model", max(ranks))
-        model = _peft_model(ranks)
+        model = _peft_model(ranks, model_size)
         for rank in ranks:
             model.set_adapter(f"r{rank}")
             scheme = ws.VLLMDoubleBufferSyncScheme(root / f"r{rank}", adapter=f"policy-r{rank}")
@@ -111,6 +112,7 @@ def run_lora_bench(ranks: Sequence[int], repeats: int,
         full.update_weights()
         connect_engine(llm, str(root / "full"))
         times: dict[int, list[float]] = {rank: [] for rank in [*ranks, 0]}
+        commits: dict[int, list[float]] = {rank: [] for rank in [*ranks, 0]}
         for i in range(repeats + 2):
             if progress:
                 progress(f"lora: round {i + 1} of {repeats + 2}")
@@ -118,15 +120,20 @@ def run_lora_bench(ranks: Sequence[int], repeats: int,
                 _step(model, f"r{rank}", i)
                 t0 = time.perf_counter()
                 senders[rank].update_weights()
+                t1 = time.perf_counter()
                 update_adapter(llm, str(root / f"r{rank}"))
                 if i > 1:  # every slot written once: warm
                     times[rank].append(time.perf_counter() - t0)
+                    commits[rank].append(t1 - t0)
             with torch.no_grad():  # a new merged version: the merged projections move
                 full_model.model.layers[0].self_attn.q_proj.weight.add_(1e-4)
             t0 = time.perf_counter()
-            update_engine(llm, full.update_weights())
+            version = full.update_weights()
+            t1 = time.perf_counter()
+            update_engine(llm, version)
             if i > 1:
                 times[0].append(time.perf_counter() - t0)
+                commits[0].append(t1 - t0)
         floor = statistics.median(times[0])
         rows = []
         for rank in ranks:
@@ -137,6 +144,13 @@ def run_lora_bench(ranks: Sequence[int], repeats: int,
         rows.append(make_row("full merged (vLLM)", format_size(nbytes), nbytes, 1, times[0],
                              floor, FULL_FLOOR))
         if notes is not None:
+            for rank in [*ranks, 0]:
+                label = f"lora adapter r{rank}" if rank else "full merged"
+                commit = statistics.median(commits[rank])
+                engine = statistics.median(t - c for t, c in zip(times[rank], commits[rank],
+                                                                 strict=True))
+                notes.append(f"{label}: commit (trainer) {commit * 1e3:.1f} ms, applied in "
+                             f"the engine after it {engine * 1e3:.1f} ms (medians)")
             adapter = senders[ranks[0]].lora_adapter
             guard = []
             for _ in range(repeats):
