@@ -94,7 +94,9 @@ def run_lora_bench(ranks: Sequence[int], repeats: int,
     root = Path(tempfile.mkdtemp(prefix="weightsync-bench-lora-", dir=_shm()))
     llm = None
     senders: dict[int, Any] = {}
-    try:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the trainer on one thread, as in the other benches: the
+    try:                      # engine's worker computes on its own threads beside it
         full_model = task.build_model(model_size, 0).eval()  # stands for the merged weights
         task.save_checkpoint(full_model, root / "model")
         if progress:
@@ -162,6 +164,7 @@ def run_lora_bench(ranks: Sequence[int], repeats: int,
                          f"(included above); the full merged rows exclude the merge itself")
         return rows
     finally:
+        torch.set_num_threads(threads)
         for sender in senders.values():
             sender.close()
         if llm is not None:
