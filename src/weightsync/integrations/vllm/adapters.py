@@ -33,7 +33,11 @@ from weightsync.core.deadline import Deadline, positive_timeout
 from weightsync.core.errors import AdapterRankError, WeightSyncError, WeightSyncTimeoutError
 from weightsync.integrations.vllm.extension import engine_directory
 from weightsync.schemes.lora import ADAPTER_CONFIG_KEY, ADAPTER_NAME_KEY, adapter_rank
-from weightsync.transports.directory.files import DEFAULT_FILE_MODE, fsync_directory
+from weightsync.transports.directory.files import (
+    DEFAULT_FILE_MODE,
+    fsync_directory,
+    open_regular,
+)
 from weightsync.transports.directory.manifest import Commit, SlotFile
 from weightsync.transports.directory.reader import DirectoryReader
 
@@ -218,17 +222,26 @@ def _copy_version(files: Path, name: str, slot: SlotFile, config: dict[str, Any]
     """Write the slot's bytes (a whole safetensors file) and the config into ``files/name``,
     built beside it and renamed into place."""
     final = files / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=files))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=files))  # mode 0700
     try:
-        with open(tmp / ADAPTER_WEIGHTS, "wb") as out:
-            out.write(cast(Any, slot.file_bytes.numpy()).data)  # no intermediate copy
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config))
+        _write_new(tmp / ADAPTER_WEIGHTS, cast(Any, slot.file_bytes.numpy()).data)  # no copy
+        _write_new(tmp / ADAPTER_CONFIG, json.dumps(config).encode())
         os.replace(tmp, final)
         fsync_directory(files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_new(path: Path, data: Any) -> None:
+    """Create ``path`` (mode 0600, never through a symlink) holding ``data``."""
+    fd = open_regular(path, os.O_WRONLY | os.O_EXCL, create_mode=0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as out:
+            out.write(data)
+    finally:
+        os.close(fd)
 
 
 def _evict(llm: Any, state: _EngineAdapters, keep: int) -> None:
