@@ -15,7 +15,6 @@ until a request is built.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -248,8 +247,11 @@ def _evict(llm: Any, state: _EngineAdapters, keep: int) -> None:
     """Remove all but the newest ``keep`` versions from the engine, then their files."""
     while len(state.loaded) > keep:
         old = state.loaded.pop(0)
-        with contextlib.suppress(Exception):  # an engine already shut down holds nothing
+        try:
             llm.llm_engine.remove_lora(old.request.lora_int_id)
+        except Exception as exc:  # an engine shut down holds nothing; else say so
+            logger.warning("could not remove adapter %s from the engine (%s); its files are "
+                           "deleted", old.request.lora_name, exc)
         shutil.rmtree(old.path, ignore_errors=True)
         logger.debug("evicted adapter %s", old.request.lora_name)
 
