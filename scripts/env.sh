@@ -17,7 +17,7 @@ fi
 stamp="$VENV/.weightsync-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "installing weightsync and its extras into $VENV" >&2
-  "$PY" -m pip install -q -e ".[dev,demo,ray,hf,delta]"
+  "$PY" -m pip install -q -e ".[dev,demo,ray,hf,delta,lora]"
   touch "$stamp"
 fi
 # Heavier test-only dependencies (vLLM's CPU build, TorchRL), each installed by its own

@@ -95,6 +95,7 @@ def test_version(capsys):
     (["demo", "--transport", "ray"], "ray", "ray"),
     (["bench", "--transports", "shm", "--plot", "x.png"], "matplotlib", "demo"),
     (["bench", "--transports", "ray"], "ray", "ray"),
+    (["bench", "--transports", "lora"], "peft", "lora"),
 ])
 def test_missing_extra_is_one_line_saying_what_to_install(monkeypatch, capsys, argv, missing, extra):
     monkeypatch.setitem(sys.modules, missing, None)  # what an uninstalled module looks like

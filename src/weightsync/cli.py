@@ -22,7 +22,8 @@ Run 'weightsync demo --help' or 'weightsync bench --help' for their options."""
 
 #: what each command needs beyond the core, as (module, extra) pairs
 DEMO_NEEDS = [("gymnasium", "demo"), ("rich", "demo"), ("matplotlib", "demo")]
-TRANSPORT_NEEDS = {"ray": [("ray", "ray")], "ray-delta": [("ray", "ray"), ("zstandard", "delta")]}
+TRANSPORT_NEEDS = {"ray": [("ray", "ray")], "ray-delta": [("ray", "ray"), ("zstandard", "delta")],
+                   "lora": [("vllm", "vllm"), ("peft", "lora"), ("transformers", "hf")]}
 
 #: exit status for a missing extra (as argparse uses for a usage error) and after Ctrl-C
 EXIT_MISSING_EXTRA = 2
@@ -80,11 +81,14 @@ def _llm_demo(args: argparse.Namespace) -> int:
     if not (_installed("vllm") and _installed("transformers")):
         raise MissingExtra("weightsync demo --llm needs vLLM and transformers: pip install "
                            "'weightsync[vllm,hf]' (on CPU: bash scripts/env.sh installs vLLM's CPU build)")
+    if args.lora:
+        require([("peft", "lora")], "weightsync demo --llm --lora")
     from weightsync.demo.llm import LLMDemoOptions, PromiseBroken, run_llm_demo
 
     options = LLMDemoOptions(
         steps=args.steps, max_seconds=args.max_seconds, model_size=args.model_size,
         sync=args.sync, tensor_parallel=args.tensor_parallel, seed=args.seed,
+        lora=args.lora, lora_rank=args.lora_rank,
         output_dir=args.output_dir, plot=not args.no_plot,
         log=lambda line: print(line, flush=True),
     )
@@ -192,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "reload_weights (what users write today)")
     llm.add_argument("--tensor-parallel", type=_positive_int, default=1,
                      help="vLLM tensor-parallel size")
+    llm.add_argument("--lora", action="store_true",
+                     help="train a LoRA adapter (peft) and sync it alone into vLLM")
+    llm.add_argument("--lora-rank", type=_positive_int, default=16,
+                     help="--lora only: the adapter's rank")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", formatter_class=fmt,
@@ -200,12 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "every worker's model holds the version, beside one memcpy of the "
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
-                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta"],
+                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta", "lora"],
                        help="transports to time (ray only if installed; sharded: an FSDP2 "
                        "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
                        "baseline, with 2 zero-copy workers; ray-delta: full vs delta=True "
                        "bf16 sends to a second host, two network namespaces this command "
-                       "builds, root only)")
+                       "builds, root only; lora: LoRA adapter-only sync vs the full merged "
+                       "sync into a vLLM engine, on the LLM demo's small model)")
     bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
                        metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
     bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],
@@ -225,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--link-rate", type=_link_rate, default=None, metavar="RATE",
                        help="ray-delta only: cap the link between the two hosts at RATE "
                        "(tc syntax: 10gbit, 1gbit, 500mbit; default: uncapped, memory speed)")
+    bench.add_argument("--lora-ranks", nargs="+", type=_positive_int, default=[8, 16, 32, 64],
+                       help="lora only: adapter ranks (on every attention and MLP projection)")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)

@@ -75,12 +75,14 @@ def transformers_greedy(model: Any, prompts: list[list[int]] = PROMPTS,
 
 
 def vllm_greedy(llm: Any, prompts: list[list[int]] = PROMPTS,
-                new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """The engine's greedy continuation of each prompt (new tokens only)."""
+                new_tokens: int = NEW_TOKENS, lora_request: Any = None) -> list[list[int]]:
+    """The engine's greedy continuation of each prompt (new tokens only), with the LoRA
+    adapter of ``lora_request`` if given."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                           lora_request=lora_request)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -91,3 +93,38 @@ def perturb(model: Any, step: int, scale: float = 0.3) -> None:
     gen = torch.Generator().manual_seed(1000 + step)
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]
+
+
+def peft_model(rank: int = 8, seed: int = 0, targets: list[str] | None = None) -> Any:
+    """``build_model(seed)`` wrapped by peft with a LoRA adapter on ``targets``, its weights
+    set by :func:`set_adapter` (step 0)."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=targets or LORA_TARGETS)
+    model = peft.get_peft_model(build_model(seed), config).eval()
+    set_adapter(model, 0)
+    return model
+
+
+@torch.no_grad()
+def set_adapter(model: Any, step: int, scale: float = 0.15) -> None:
+    """Seeded random LoRA weights for ``step`` (the same in any process): a stand-in for a
+    training step that moves the greedy output for sure; the base is not touched."""
+    gen = torch.Generator().manual_seed(5000 + step)
+    for name, p in sorted(model.named_parameters()):
+        if ".lora_" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def merged_greedy(model: Any, prompts: list[list[int]] = PROMPTS,
+                  new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """The greedy tokens of ``model`` (a peft model) with its adapter merged into a copy of
+    the base, as a full-weight sync would serve it."""
+    import copy
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    return transformers_greedy(merged, prompts, new_tokens)

@@ -50,6 +50,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                + 2 * ("file" in args.transports)
                                + ("sharded" in args.transports)
                                + 2 * (len(args.workers) + 1) * ("ray-delta" in args.transports))
+    total += (args.repeats + 3) * ("lora" in args.transports)
     progress, stop = _progress(total)
     notes: list[str] = []
     rows: list[BenchRow] = []
@@ -86,6 +87,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 link = f", link capped at {args.link_rate}" if args.link_rate else ""
                 tables.append(f"Delta updates across hosts, {size} fp32 sent as bf16{link}:"
                               f"\n{table}")
+        if "lora" in args.transports:
+            from weightsync.bench.lora import run_lora_bench
+
+            rows += run_lora_bench(args.lora_ranks, args.repeats, progress, notes)
     finally:
         stop()
     print(format_table(rows))

@@ -87,3 +87,22 @@ class UnsafeDirectoryError(WeightSyncError, PermissionError):
 
 class UnsafeFileError(IntegrityError):
     """A file of the sync directory is a symlink, a FIFO or another non-regular file."""
+
+
+class BaseWeightChangedError(WeightSyncError):
+    """An adapter-only sender found a base (frozen) weight changed since it connected: the
+    workers' base would no longer be the trainer's, so nothing was sent. ``key`` names it."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class AdapterRankError(WeightSyncError, ValueError):
+    """An adapter's rank exceeds what the engine was started for (vLLM's ``max_lora_rank``);
+    refused before anything was loaded."""
+
+    def __init__(self, message: str, *, rank: int, max_rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.max_rank = max_rank

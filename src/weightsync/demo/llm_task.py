@@ -52,6 +52,27 @@ def build_model(size: str, seed: int) -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
+#: where the demo's LoRA adapter sits: every attention and MLP projection
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model: Any, rank: int) -> Any:
+    """``model`` wrapped by peft with a fresh LoRA adapter of ``rank`` (base frozen)."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=LORA_TARGETS)
+    return peft.get_peft_model(model, config)
+
+
+def merged(model: Any) -> Any:
+    """A copy of a peft ``model`` with its adapter merged into the base (what the engine
+    computes with the adapter applied)."""
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
+
+
 def save_checkpoint(model: Any, directory: Path) -> Path:
     """The model and its tokenizer, as a local checkpoint vLLM can serve."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
+from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.ranks import trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
@@ -48,9 +49,15 @@ class DirectoryConfig:
     poll_interval: float
     mode: int
     trainer_ranks: int = 1
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
+        if self.adapter is not None:
+            check_adapter_name(self.adapter)
+            if self.trainer_ranks != 1:
+                raise ValueError("adapter= needs an unsharded trainer (trainer_ranks=1): an "
+                                 "adapter is small enough for one rank to write")
         if type(self.trainer_ranks) is not int or self.trainer_ranks < 1:
             raise ValueError(f"trainer_ranks must be an int >= 1, got {self.trainer_ranks!r}")
         if self.dtype is not None and not (
@@ -78,6 +85,9 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     ``trainer_ranks``: the number of ranks of a sharded trainer (FSDP2, DTensor tensor
     parallel, ``LocalShard`` blocks); each rank calls ``create_sender(rank=r)`` and writes
     its own shards into the slot, rank 0 commits (``docs/sharded.md``). Workers are unchanged.
+    ``adapter``: send only a peft model's LoRA adapter, served under this name (``policy``:
+    versions ``policy-v0``, ``policy-v1``...); ``register_model(peft_model)``; the engine
+    loads it with ``weightsync.integrations.vllm.update_adapter`` (docs/vllm.md, LoRA).
     """
 
     def __init__(
@@ -92,11 +102,12 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
         mode: int = DEFAULT_FILE_MODE,
         strategy: WeightStrategy | None = None,
         trainer_ranks: int = 1,
+        adapter: str | None = None,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
         # absolute: the scheme is pickled to workers whose working directory may differ
         self.config = DirectoryConfig(Path(directory).absolute(), num_workers, dtype, bool(durable),
-                                      poll_interval, mode, trainer_ranks)
+                                      poll_interval, mode, trainer_ranks, adapter)
 
     directory = property(lambda self: self.config.directory)
     num_workers = property(lambda self: self.config.num_workers)
@@ -105,6 +116,7 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     poll_interval = property(lambda self: self.config.poll_interval)
     mode = property(lambda self: self.config.mode)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
+    adapter = property(lambda self: self.config.adapter)
 
     def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
         """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an
@@ -138,6 +150,32 @@ class VLLMDoubleBufferWeightSender(WeightSender):
         self.directory = c.directory
         #: this sender's trainer rank (0 unless the scheme has ``trainer_ranks > 1``)
         self.rank = rank
+        self._adapter: LoraAdapter | None = None
+
+    def register_model(self, model: Any) -> None:
+        """The source of the weights; with the scheme's ``adapter``, a peft model whose
+        active LoRA adapter alone travels (its base must not change after ``connect()``)."""
+        if self.scheme.adapter is None:
+            super().register_model(model)
+            return
+        adapter = LoraAdapter(model, self.scheme.adapter)
+        if self._adapter is not None and adapter.metadata() != self._adapter.metadata():
+            raise ValueError(f"adapter={adapter.name!r}: the model registered now has another "
+                             "adapter config than the first; use a new directory for it")
+        super().register_model(adapter.tensors(guard=False))
+        self._adapter = adapter
+        assert isinstance(self.writer, DirectoryWriter)
+        self.writer.slot_metadata = adapter.metadata()
+
+    @property
+    def lora_adapter(self) -> LoraAdapter | None:
+        """The registered adapter (``adapter=`` schemes), None before ``register_model``."""
+        return self._adapter
+
+    def _weights_to_send(self, weights: Any) -> Any:
+        if weights is None and self._adapter is not None:
+            weights = self._adapter.tensors()  # raises if the base changed: nothing written
+        return super()._weights_to_send(weights)
 
     def update_weights(self, weights: Any = None, timeout: float | None = None) -> int:
         """Write ``weights`` (default: the registered model's) as the next version and

@@ -15,16 +15,26 @@ Two ways in, both tested against a real vLLM engine (see docs/vllm.md):
   ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update`` calls (``weightsync.integrations.vllm.backend``).
 
+* LoRA adapters alone (``VLLMDoubleBufferSyncScheme(directory, adapter="policy")`` in the
+  trainer)::
+
+      llm = LLM(model=..., enable_lora=True, max_lora_rank=16, worker_extension_cls=EXTENSION_CLS)
+      request = update_adapter(llm, "/dev/shm/policy")   # the newest version, as policy-v<N>
+      llm.generate(prompts, params, lora_request=request)
+
 Importing this package does not import vLLM.
 """
 
+from weightsync.integrations.vllm.adapters import adapter_versions, update_adapter
 from weightsync.integrations.vllm.driver import connect_engine, engine_versions, update_engine
 from weightsync.integrations.vllm.extension import EXTENSION_CLS, WeightSyncWorkerExtension
 
 __all__ = [
     "EXTENSION_CLS",
     "WeightSyncWorkerExtension",
+    "adapter_versions",
     "connect_engine",
     "engine_versions",
+    "update_adapter",
     "update_engine",
 ]

@@ -197,10 +197,13 @@ def reserve(fd: int, size: int, path: Path) -> None:
 class SlotFile:
     """One slot: a safetensors file mapped in memory, with its ``fcntl`` lock."""
 
-    def __init__(self, path: Path, fd: int, layout: Layout, data_start: int, writable: bool):
+    def __init__(self, path: Path, fd: int, layout: Layout, data_start: int, writable: bool,
+                 metadata: Mapping[str, str] | None = None):
         self.path = path
         self.fd = fd
         self.layout = layout
+        #: the header's ``__metadata__`` (strings only; what a writer put beside the tensors)
+        self.metadata: dict[str, str] = dict(metadata or {})
         info = os.fstat(fd)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -228,7 +231,7 @@ class SlotFile:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return cls(path, fd, layout, 8 + len(header), writable=True)
+        return cls(path, fd, layout, 8 + len(header), writable=True, metadata=metadata)
 
     @classmethod
     def open(cls, path: Path, *, writable: bool = False) -> SlotFile:
@@ -239,10 +242,10 @@ class SlotFile:
             head = os.pread(fd, 8, 0)
             (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
             raw = head + os.pread(fd, min(n, max(0, size - 8), _MAX_HEADER), 8)
-            layout, _meta, start = parse_header(raw, size, str(path))
+            layout, metadata, start = parse_header(raw, size, str(path))
             if writable:  # a slot file left sparse (truncated, copied) is filled in first
                 reserve(fd, size, path)
-            return cls(path, fd, layout, start, writable)
+            return cls(path, fd, layout, start, writable, metadata=metadata)
         except BaseException:
             os.close(fd)
             raise
@@ -250,6 +253,11 @@ class SlotFile:
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"cpu": self.data}
+
+    @property
+    def file_bytes(self) -> torch.Tensor:
+        """The whole file as mapped (header and data): a valid safetensors file's bytes."""
+        return self._whole
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, view)`` pairs, in file order, viewing the mapped bytes (no copy)."""

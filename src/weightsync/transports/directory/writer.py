@@ -45,6 +45,7 @@ from weightsync.transports.directory.manifest import (
     read_manifest,
     slot_path,
 )
+from weightsync.transports.directory.slots import TIES_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ class DirectoryWriter:
         self.owner_pid = os.getpid()
         self._slots: dict[int, SlotFile] = {}
         self._layout: Layout | None = None
+        #: strings written into every slot's header beside the tensors (an adapter's config);
+        #: set before the first commit, fixed after it
+        self.slot_metadata: dict[str, str] = {}
+        self._replaced: set[int] = set()  # slots of another config, created afresh
         self._pin_for_cuda = False
         try:
             removed = remove_stale_temp_files(directory)
@@ -117,6 +122,10 @@ class DirectoryWriter:
         self._remove_strays(keep={0, 1} | named)
         for index in sorted({0, 1} | named):
             self._slots[index] = self._open_or_create(index, target)
+        if self._manifest is not None and self._replaced & named:
+            logger.info("slot(s) %s of %s held another adapter config: its commits are dropped",
+                        sorted(self._replaced & named), self.directory)
+            self._manifest = None
         self._layout = target
 
     def _remove_strays(self, keep: set[int]) -> None:
@@ -135,11 +144,16 @@ class DirectoryWriter:
                 slot = SlotFile.open(path, writable=True)
             except (IntegrityError, OSError, ValueError) as exc:
                 logger.info("replacing %s: %s", path, exc)
-            if slot is not None and slot.layout.fingerprint != target.fingerprint:
-                slot.close()
-                slot = None
+        metadata = {**self.slot_metadata, "format": "pt", "producer": "weightsync",
+                    "fingerprint": target.fingerprint}
+        if slot is not None and slot.layout.fingerprint != target.fingerprint:
+            slot.close()
+            slot = None
+        if slot is not None and _without_ties(slot.metadata) != metadata:
+            slot.close()  # same tensors, another adapter config: its bytes mean something else
+            slot = None
+            self._replaced.add(index)
         if slot is None:
-            metadata = {"format": "pt", "producer": "weightsync", "fingerprint": target.fingerprint}
             slot = SlotFile.create(path, target, metadata, self.mode)
         if self._pin_for_cuda:
             slot.register_with_cuda()
@@ -259,6 +273,11 @@ class DirectoryWriter:
     def close(self) -> None:
         close_slots(self._slots)
         self._lock.release()
+
+
+def _without_ties(metadata: Mapping[str, str]) -> dict[str, str]:
+    """A slot header's metadata minus what the layout itself writes there (its ties)."""
+    return {k: v for k, v in metadata.items() if k != TIES_KEY}
 
 
 def wait_for_acks(directory: Path, version: int, worker_ids: list[int], deadline: Deadline,
