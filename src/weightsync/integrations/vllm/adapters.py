@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from weightsync.core.checks import checked_int
-from weightsync.core.deadline import Deadline, positive_timeout
+from weightsync.core.deadline import Deadline, required_timeout
 from weightsync.core.errors import AdapterRankError, WeightSyncError, WeightSyncTimeoutError
 from weightsync.integrations.vllm.extension import engine_directory
 from weightsync.schemes.lora import ADAPTER_CONFIG_KEY, ADAPTER_NAME_KEY, adapter_rank
@@ -126,7 +126,7 @@ def update_adapter(llm: Any, directory: str, *, timeout: float = 60.0, keep: int
     engine's ``max_lora_rank`` raises ``AdapterRankError`` before anything is copied or
     loaded. ``worker_idx``: the index this engine acknowledges under (the trainer's
     ``connect()`` waits for it)."""
-    deadline = Deadline(positive_timeout(timeout, "timeout"))
+    deadline = Deadline(required_timeout(timeout, "timeout"))
     keep = checked_int(keep, "keep", 1)
     lora_config = _lora_config(llm)
     max_loras = int(lora_config.max_loras)
