@@ -91,3 +91,14 @@ def perturb(model: Any, step: int, scale: float = 0.3) -> None:
     gen = torch.Generator().manual_seed(1000 + step)
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+
+
+def rounded_copy(model: Any, dtype: torch.dtype) -> Any:
+    """A copy of ``model`` whose weights went through ``dtype`` and back: what an engine
+    serves after an update sent in ``dtype``."""
+    copy = build_model()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+    return copy

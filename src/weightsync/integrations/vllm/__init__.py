@@ -15,11 +15,20 @@ Two ways in, both tested against a real vLLM engine (see docs/vllm.md):
   ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update`` calls (``weightsync.integrations.vllm.backend``).
 
-Importing this package does not import vLLM.
+Importing this package does not import vLLM; where vLLM is imported already, it registers
+the ``weightsync`` backend with vLLM's factories (as importing ``backend`` always does), so
+``WeightTransferTrainerFactory.trainer_init`` finds it in any process.
 """
+
+import sys as _sys
 
 from weightsync.integrations.vllm.driver import connect_engine, engine_versions, update_engine
 from weightsync.integrations.vllm.extension import EXTENSION_CLS, WeightSyncWorkerExtension
+
+if "vllm" in _sys.modules:
+    from weightsync.integrations.vllm.plugin import register as _register
+
+    _register()
 
 __all__ = [
     "EXTENSION_CLS",

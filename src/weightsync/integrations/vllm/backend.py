@@ -12,7 +12,10 @@ versions from a ``VLLMDoubleBufferSyncScheme`` directory; the trainer side
     llm.update_weights({"update_info": {"version": v}})
     llm.finish_weight_update(weight_version=str(v))
 
-This module imports vLLM; the rest of the package does not.
+This module imports vLLM; the rest of the package does not. Importing it registers the
+backend with vLLM's factories (``plugin.register``, idempotent), so a trainer process that
+is not a vLLM process finds ``WeightTransferTrainerFactory.trainer_init``'s ``weightsync``
+engine as soon as it imports ``WeightSyncTrainerInitInfo``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from weightsync.core.checks import checked_int
 from weightsync.core.deadline import checked_timeout, positive_timeout
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
+from weightsync.integrations.vllm.plugin import register
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
@@ -271,3 +275,6 @@ class OfflineLLMClient:
             self.llm.reset_prefix_cache()
         finally:
             self.llm.wake_up(tags=["scheduling"])
+
+
+register()  # vLLM runs its plugins only in its own processes: a trainer's needs this
