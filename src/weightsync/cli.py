@@ -22,7 +22,8 @@ Run 'weightsync demo --help' or 'weightsync bench --help' for their options."""
 
 #: what each command needs beyond the core, as (module, extra) pairs
 DEMO_NEEDS = [("gymnasium", "demo"), ("rich", "demo"), ("matplotlib", "demo")]
-TRANSPORT_NEEDS = {"ray": [("ray", "ray")], "ray-delta": [("ray", "ray"), ("zstandard", "delta")]}
+TRANSPORT_NEEDS = {"ray": [("ray", "ray")], "ray-delta": [("ray", "ray"), ("zstandard", "delta")],
+                   "vllm-serve": [("vllm", "vllm"), ("zstandard", "delta")]}
 
 #: exit status for a missing extra (as argparse uses for a usage error) and after Ctrl-C
 EXIT_MISSING_EXTRA = 2
@@ -200,12 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "every worker's model holds the version, beside one memcpy of the "
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
-                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta"],
+                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta", "vllm-serve"],
                        help="transports to time (ray only if installed; sharded: an FSDP2 "
                        "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
                        "baseline, with 2 zero-copy workers; ray-delta: full vs delta=True "
                        "bf16 sends to a second host, two network namespaces this command "
-                       "builds, root only)")
+                       "builds, root only; vllm-serve: a Llama-shaped model of each size sent "
+                       "as bf16 to a real vllm serve on a second host, beside a bare TCP "
+                       "transfer and the naive checkpoint copy, at each --link-rates, root "
+                       "only)")
     bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
                        metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
     bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],
@@ -225,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--link-rate", type=_link_rate, default=None, metavar="RATE",
                        help="ray-delta only: cap the link between the two hosts at RATE "
                        "(tc syntax: 10gbit, 1gbit, 500mbit; default: uncapped, memory speed)")
+    bench.add_argument("--link-rates", nargs="+", type=_link_rate, default=["1gbit", "10gbit"],
+                       metavar="RATE", help="vllm-serve only: the link caps to measure at")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import vllm_model as vm
 from vllm_engine import vllm_or_skip
-from vllm_server import SRC, VLLMServer
+from vllm_server import SRC, VLLMServer, greedy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -71,6 +71,6 @@ def test_trainer_drives_vllm_serve_through_a_directory(server: VLLMServer, direc
             vm.perturb(trainer, step)
             engine.send_weights()
             assert server.weight_version() == str(step)
-            assert server.greedy() == vm.transformers_greedy(vm.rounded_copy(trainer, torch.bfloat16))
+            assert greedy(server) == vm.transformers_greedy(vm.rounded_copy(trainer, torch.bfloat16))
     finally:
         engine.shutdown()

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +19,10 @@ import pytest
 import torch
 import vllm_model as vm
 from vllm_engine import vllm_or_skip
-from vllm_server import VLLMServer
+from vllm_server import SRC, VLLMServer, greedy
 
 from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster, two_host_network
+from weightsync.core.errors import WeightSyncError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multihost, pytest.mark.timeout(900)]
 
@@ -57,7 +62,7 @@ def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _engine(trainer, server: VLLMServer, **info):
+def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -65,7 +70,9 @@ def _engine(trainer, server: VLLMServer, **info):
 
     return WeightTransferTrainerFactory.trainer_init(
         WeightSyncTrainerInitInfo(rank=0, address=f"{ADDRESS_A}:0", dtype="bfloat16", **info),
-        client=HTTPVLLMWeightSyncClient(server.url, timeout=120), source=ModuleSource(trainer),
+        client=[HTTPVLLMWeightSyncClient(s.url, timeout=120) for s in servers]
+        if isinstance(servers, list) else HTTPVLLMWeightSyncClient(servers.url, timeout=120),
+        source=ModuleSource(trainer),
     )
 
 
@@ -86,7 +93,7 @@ def test_versions_reach_a_server_on_another_host(server: VLLMServer):
             assert last["version"] == step and last["delta_chunks"] == 0
             assert last["wire_bytes"] == nbytes
             assert server.weight_version() == str(step)
-            assert server.greedy() == _bf16_greedy(trainer)
+            assert greedy(server) == _bf16_greedy(trainer)
     finally:
         engine.shutdown()
 
@@ -108,6 +115,75 @@ def test_deltas_after_small_adamw_steps_are_a_fraction_of_the_bytes(server: VLLM
             print(f"delta step {step}: {last['wire_bytes']} bytes on the wire of {whole} whole")
             assert last["delta_chunks"] == last["chunks"] > 0
             assert last["wire_bytes"] < 0.3 * whole
-            assert server.greedy() == _bf16_greedy(trainer)
+            assert greedy(server) == _bf16_greedy(trainer)
+    finally:
+        engine.shutdown()
+
+
+def test_a_trainer_killed_mid_version_leaves_the_server_serving_its_last(
+        hosts: TwoHostCluster, server: VLLMServer):
+    import requests
+
+    env = os.environ | vm.ENGINE_ENV | {
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), SRC])}
+    script = os.path.join(os.path.dirname(__file__), "vllm_remote_trainer.py")
+    done = subprocess.run(["ip", "netns", "exec", hosts.ns_a, sys.executable, script, server.url,
+                           f"{ADDRESS_A}:0"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert done.stdout.strip() == "sent"
+    expected = vm.build_model()
+    vm.perturb(expected, 1)
+    assert server.weight_version() == "1"  # version 2 never finished
+    assert greedy(server) == _bf16_greedy(expected)
+    # the next update names the lost trainer (vLLM answers 500; its log has the cause)
+    server.post("start_weight_update")
+    reply = requests.post(f"{server.url}/update_weights", json={"update_info": {"version": 2}},
+                          timeout=120)
+    assert reply.status_code >= 400
+    assert "cannot reach the trainer" in server.log(200_000)
+    assert greedy(server) == _bf16_greedy(expected)
+
+
+@pytest.fixture(scope="module")
+def second_server(hosts: TwoHostCluster, server: VLLMServer) -> Iterator[VLLMServer]:
+    """A second ``vllm serve`` on host B (a data-parallel replica, with its own /dev/shm)."""
+    served = VLLMServer(server.model_dir, host=ADDRESS_B, port=8001, netns=hosts.ns_b)
+    try:
+        served.start().wait_ready()
+        yield served
+    finally:
+        served.stop()
+
+
+def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server: VLLMServer):
+    """A stalled server makes ``send_weights`` raise within the engine's timeout, naming
+    it, while the other server gets the version; restarted, it takes the next version whole
+    (it is initialised again) while the other gets a delta."""
+    trainer = vm.build_model()
+    engine = _engine(trainer, [server, second_server], delta=True, timeout=30.0)
+    try:
+        vm.perturb(trainer, 1)
+        engine.send_weights()
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        second_server.kill(signal.SIGSTOP)
+        vm.perturb(trainer, 2)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {second_server.url}"):
+            engine.send_weights()
+        assert time.monotonic() - started < 60
+        assert server.weight_version() == "2"
+        assert greedy(server) == _bf16_greedy(trainer)
+        second_server.kill(signal.SIGKILL)
+        second_server.stop()
+        second_server.start().wait_ready()
+        vm.perturb(trainer, 3)
+        engine.send_weights()
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        assert second_server.weight_version() == "3"
+        # the first server's update and the restarted one's init carry the version (whole: a
+        # perturbation changes every word); the restarted one's update then has nothing to do
+        sizes = sorted(s["wire_bytes"] for s in engine.stats()["last"]["hosts"])
+        assert len(sizes) == 3 and sizes[0] < 100 and sizes[1] == sizes[2], sizes
+        assert sizes[2] > 2 * sum(p.numel() for p in trainer.parameters())
     finally:
         engine.shutdown()

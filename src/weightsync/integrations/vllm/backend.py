@@ -27,6 +27,7 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,7 +48,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from weightsync.core.checks import checked_int
 from weightsync.core.deadline import checked_timeout, positive_timeout
-from weightsync.core.errors import WeightSyncError
+from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
 from weightsync.integrations.vllm.plugin import register
@@ -318,6 +319,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.version = -1
         self._stats: list[dict[str, Any]] = []
         self._pack_seconds = 0.0
+        self._token = ""
+        self._needs_init: set[int] = set()  # servers to initialise again (they failed)
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -351,19 +354,25 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                        weights: dict[str, torch.Tensor]) -> None:
         if init_info.delta:
             check_delta_available()
-        token = secrets.token_hex(32)
-        self.publisher = VersionPublisher(init_info.address, token, timeout=self.timeout,
+        self._token = secrets.token_hex(32)
+        self.publisher = VersionPublisher(init_info.address, self._token, timeout=self.timeout,
                                           delta=init_info.delta)
         self.version = 0
         self._publish(weights)
         try:
-            self._each_server("init", lambda c: c.init_weight_transfer_engine({
-                "address": self.publisher.address if self.publisher else "", "token": token,
-                "ticket": secrets.token_hex(8), "timeout": self.timeout,
-            }))
+            self._each_server("init", self._init_server)
         except BaseException:
             self.shutdown()
             raise
+
+    def _init_server(self, index: int, client: Any) -> None:
+        """Have a server's host fetch the current version and every rank load it (a new or
+        restarted server gets it whole)."""
+        assert self.publisher is not None
+        client.init_weight_transfer_engine({
+            "address": self.publisher.address, "token": self._token,
+            "ticket": secrets.token_hex(8), "timeout": self.timeout,
+        })
 
     def _materialise(self) -> dict[str, torch.Tensor]:
         assert self.source is not None
@@ -375,19 +384,28 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.publisher.publish(pack(weights, self.version, self.dtype))
         self._pack_seconds = time.perf_counter() - started
 
-    def _each_server(self, what: str, call: Callable[[Any], None]) -> None:
-        """Run ``call`` for every server at once; then raise one error naming each server
-        that failed (the others got the version) and what each received."""
+    def _each_server(self, what: str, call: Callable[[int, Any], None]) -> None:
+        """Run ``call`` for every server at once, each within the engine's timeout; then
+        raise one error naming each server that failed or did not answer in time (the
+        others got the version). A server that failed is initialised again before its next
+        update (a restarted one has nothing: it takes the version whole)."""
         started = time.perf_counter()
         errors: dict[str, BaseException] = {}
-        with ThreadPoolExecutor(max(len(self.clients), 1),
-                                thread_name_prefix="weightsync-server") as pool:
-            futures = {_server_name(c): pool.submit(call, c) for c in self.clients}
-            for name, future in futures.items():
-                try:
-                    future.result()
-                except BaseException as exc:
-                    errors[name] = exc
+        pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
+        try:
+            futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
+            wait_futures(futures.values(), timeout=self.timeout)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a stalled call is left behind
+        for index, future in futures.items():
+            name = _server_name(self.clients[index])
+            if not future.done():
+                errors[name] = WeightSyncTimeoutError(
+                    f"no answer within {self.timeout:g}s (the engine's timeout)")
+            elif future.exception() is not None:
+                errors[name] = future.exception()  # type: ignore[assignment]
+            if name in errors:
+                self._needs_init.add(index)
         assert self.publisher is not None
         streams = self.publisher.wait_streams(self.version, len(self.clients) - len(errors), 5.0)
         self._record(what, time.perf_counter() - started, streams, errors)
@@ -426,7 +444,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             self._publish(weights)
             version = self.version
 
-            def update(client: Any) -> None:
+            def update(index: int, client: Any) -> None:
+                if index in self._needs_init:
+                    self._init_server(index, client)
+                    self._needs_init.discard(index)
                 client.start_weight_update()
                 client.update_weights({"version": version})
                 client.finish_weight_update(weight_version=str(version))
