@@ -187,3 +187,26 @@ def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server:
         assert sizes[2] > 2 * sum(p.numel() for p in trainer.parameters())
     finally:
         engine.shutdown()
+
+
+def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server: VLLMServer):
+    """``--tensor-parallel-size 2``: the host's rank 0 fetches each version once; both ranks
+    load that staged version (one stream per update in the trainer's figures)."""
+    tp = VLLMServer(server.model_dir, host=ADDRESS_B, port=8002, netns=hosts.ns_b,
+                    extra=("--tensor-parallel-size", "2"),
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        tp.start().wait_ready()
+        trainer = vm.build_model()
+        engine = _engine(trainer, tp, delta=True)
+        try:
+            assert len(engine.stats()["last"]["hosts"]) == 1
+            for step in (1, 2):
+                vm.perturb(trainer, step)
+                engine.send_weights()
+                assert len(engine.stats()["last"]["hosts"]) == 1  # one receive for two ranks
+                assert greedy(tp) == _bf16_greedy(trainer)
+        finally:
+            engine.shutdown()
+    finally:
+        tp.stop()

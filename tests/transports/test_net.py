@@ -129,3 +129,33 @@ def test_a_trainer_gone_mid_version_is_a_named_error():
         pub.close()
     with pytest.raises(SenderLostError, match="cannot reach the trainer"):
         VersionFetcher("host-b").fetch(address, "t", None, 2)
+
+
+def test_a_version_streams_while_the_trainer_packs_it(publisher: VersionPublisher):
+    """Published before it is packed, a version streams chunk by chunk as ``fill`` releases
+    them; a retired version's buffer is reused once no stream reads it."""
+    import time
+
+    from weightsync.transports.net.packed import plan
+
+    weights = _weights()
+    packed = plan(weights, 0, torch.bfloat16)
+    publisher.publish(packed)
+    got: dict[str, object] = {}
+    fetcher = VersionFetcher("host-b")
+    thread = threading.Thread(target=lambda: got.update(
+        v=fetcher.fetch(publisher.address, "secret-token", None, 10)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # waiting for the first chunk
+    packed.fill(weights)
+    thread.join(10)
+    _equal(got["v"], weights)
+    for version in (1, 2, 3):
+        nbytes = packed.nbytes
+        spare = publisher.spare_buffer(nbytes)
+        publisher.publish(nxt := plan(weights, version, torch.bfloat16, spare))
+        nxt.fill(weights)
+        fetcher.fetch(publisher.address, "secret-token", version, 10)
+        if version == 3:  # version 0 retired when 2 was published: its buffer came back
+            assert spare is not None and spare.data_ptr() == packed.buffer.data_ptr()

@@ -39,11 +39,13 @@ WORKER_EXTENSION = "weightsync.bench.vllm_serve_worker.BenchWorkerExtension"
 
 
 def llama_config(nbytes: int) -> Any:
-    """A Llama whose fp32 weights take about ``nbytes`` (hidden 768, 32k vocab, untied
-    embeddings, as many layers as fit)."""
+    """A Llama whose fp32 weights take about ``nbytes`` (hidden 768, untied embeddings of a
+    32k vocabulary, or a smaller one so that they take at most half, as many layers as
+    fit)."""
     import transformers
 
-    hidden, inter, vocab = 768, 2048, 32000
+    hidden, inter = 768, 2048
+    vocab = max(256, min(32000, nbytes // 4 // 2 // (2 * hidden)))
     per_layer = 2 * hidden * hidden + 2 * hidden * 256 + 3 * hidden * inter + 2 * hidden
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, (nbytes // 4 - fixed) // per_layer)
@@ -133,19 +135,23 @@ def _measure(server: Any, model: torch.nn.Module, optimizer: torch.optim.Optimiz
              listen_host: str) -> list[Case]:
     from safetensors.torch import save
 
-    from weightsync.transports.net.packed import pack
+    from weightsync.transports.net.packed import plan
 
     link = f"link {rate}"
     floor, naive = Case(f"floor (bare TCP + reload from memory, {link})"), \
         Case(f"naive (save, copy, reload from disk, {link})")
     full, delta = Case(f"weightsync full ({link})"), Case(f"weightsync delta ({link})")
+    reused: torch.Tensor | None = None  # the floor packs into one warm buffer, as weightsync
     for label, case in (("floor", floor), ("naive", naive)):
         if progress:
             progress(f"vllm-serve {label} {rate}")
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             if case is floor:
-                packed = pack(dict(model.state_dict()), 0, BF16)
+                state = dict(model.state_dict())
+                packed = plan(state, 0, BF16, reused)
+                packed.fill(state)
+                reused = packed.buffer
                 payload = (packed.header("bench"), packed.buffer)
             else:
                 state = {k: v.detach().to(BF16).contiguous() for k, v in model.state_dict().items()}

@@ -53,12 +53,13 @@ class VLLMServer:
 
     def __init__(self, model_dir: str, *, host: str = "127.0.0.1", port: int | None = None,
                  netns: str | None = None, extra: tuple[str, ...] = (),
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, env: dict[str, str] | None = None) -> None:
         self.model_dir = model_dir
         self.host = host
         self.port = port or free_port()
         self.netns = netns
         self.extra = extra
+        self.env = env or {}
         self.log_path = log_path or f"/var/tmp/ws-vllm-serve-{os.getpid()}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -78,7 +79,7 @@ class VLLMServer:
                 "private", "sh", "-c", script]
 
     def start(self) -> VLLMServer:
-        env = os.environ | SERVE_ENV | {
+        env = os.environ | SERVE_ENV | self.env | {
             "VLLM_SERVER_DEV_MODE": "1",
             "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
         }

@@ -65,7 +65,7 @@ from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferWeightSender,
 )
 from weightsync.transports.delta.codec import check_available as check_delta_available
-from weightsync.transports.net.packed import pack
+from weightsync.transports.net.packed import PackedVersion, plan
 from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
 from weightsync.transports.net.wire import split_address
 
@@ -358,9 +358,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.publisher = VersionPublisher(init_info.address, self._token, timeout=self.timeout,
                                           delta=init_info.delta)
         self.version = 0
-        self._publish(weights)
+        packed = self._publish(weights)
         try:
-            self._each_server("init", self._init_server)
+            self._each_server("init", self._init_server, lambda: self._fill(packed, weights))
         except BaseException:
             self.shutdown()
             raise
@@ -378,13 +378,22 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         assert self.source is not None
         return {name: tensor.detach() for name, tensor in self.source}
 
-    def _publish(self, weights: dict[str, torch.Tensor]) -> None:
+    def _publish(self, weights: dict[str, torch.Tensor]) -> PackedVersion:
+        """Lay out this round's version and publish it before it is packed: hosts stream
+        each chunk as soon as ``_fill`` has packed it."""
         assert self.publisher is not None
+        nbytes = plan(weights, self.version, self.dtype).nbytes  # layout only (no copy)
+        packed = plan(weights, self.version, self.dtype, self.publisher.spare_buffer(nbytes))
+        self.publisher.publish(packed)
+        return packed
+
+    def _fill(self, packed: PackedVersion, weights: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
-        self.publisher.publish(pack(weights, self.version, self.dtype))
+        packed.fill(weights)
         self._pack_seconds = time.perf_counter() - started
 
-    def _each_server(self, what: str, call: Callable[[int, Any], None]) -> None:
+    def _each_server(self, what: str, call: Callable[[int, Any], None],
+                     meanwhile: Callable[[], None]) -> None:
         """Run ``call`` for every server at once, each within the engine's timeout; then
         raise one error naming each server that failed or did not answer in time (the
         others got the version). A server that failed is initialised again before its next
@@ -394,6 +403,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
         try:
             futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
+            meanwhile()  # pack the version while the servers' hosts stream it
             wait_futures(futures.values(), timeout=self.timeout)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a stalled call is left behind
@@ -441,7 +451,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             return
         if self.publisher is not None:
             self.version += 1
-            self._publish(weights)
+            packed = self._publish(weights)
             version = self.version
 
             def update(index: int, client: Any) -> None:
@@ -452,7 +462,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 client.update_weights({"version": version})
                 client.finish_weight_update(weight_version=str(version))
 
-            self._each_server("update", update)
+            self._each_server("update", update, lambda: self._fill(packed, weights))
             return
         assert self.sender is not None
         self.version = self.sender.update_weights(weights)

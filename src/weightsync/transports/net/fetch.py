@@ -43,6 +43,7 @@ class VersionFetcher:
         self.base_session: str | None = None
         self.last_kinds: dict[str, int] = {}
         self._decoder: DeltaDecoder | None = None
+        self._spare: torch.Tensor | None = None  # the buffer of the base before last
 
     def fetch(self, address: str, token: str, want: int | None, timeout: float) -> PackedVersion:
         """Version ``want`` (None: the trainer's current one), verified. Raises
@@ -84,7 +85,9 @@ class VersionFetcher:
                                   or layout_fingerprint(entries, nbytes) != base.fingerprint):
             raise ProtocolError(f"the trainer encodes against version {based}, which this "
                                 f"host does not hold")
-        out = torch.empty(nbytes, dtype=torch.uint8)
+        spare, self._spare = self._spare, None
+        out = spare if spare is not None and spare.numel() == nbytes else \
+            torch.empty(nbytes, dtype=torch.uint8)  # reused: no page faults of fresh memory
         kinds: dict[str, int] = {}
         for index in range(chunk_count(nbytes)):
             kind, size, checksum = CHUNK_HEADER.unpack(recv_exact(sock, CHUNK_HEADER.size))
@@ -118,6 +121,8 @@ class VersionFetcher:
                     f"differs from the trainer's checksum; the version is refused and this "
                     f"host keeps the one it held")
         packed = PackedVersion(version, entries, out)
+        if base is not None:
+            self._spare = base.buffer  # callers are done with a version once they fetch again
         self.base, self.base_session, self.last_kinds = packed, session, kinds
         send_frame(sock, {"ok": version})
         logger.info("host %s received version %d (%d bytes, chunks %s)", self.name, version,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +42,58 @@ class Entry:
 
 @dataclass
 class PackedVersion:
-    """One version: ``buffer`` (uint8) holds every entry; ``checksums`` one per chunk."""
+    """One version: ``buffer`` (uint8) holds every entry; ``checksums`` one per chunk.
+    A version being filled (``fill``) is streamed as it fills: ``wait_chunk(i)`` returns
+    once chunk ``i`` is packed and checksummed."""
 
     version: int
     entries: list[Entry]
     buffer: torch.Tensor
     checksums: list[int] = field(default_factory=list)
+    _ready: int = -1  # chunks [0, _ready) are packed; -1: all of them
+    _failed: str | None = None
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def wait_chunk(self, index: int, timeout: float) -> None:
+        """Block until chunk ``index`` is packed; ``TimeoutError`` or ``RuntimeError`` (the
+        pack failed) otherwise."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready < 0 or self._ready > index
+                                       or self._failed is not None, timeout):
+                raise TimeoutError(f"chunk {index} of version {self.version} not packed in "
+                                   f"{timeout:g}s")
+            if self._failed is not None:
+                raise RuntimeError(f"packing version {self.version} failed: {self._failed}")
+
+    def fill(self, sources: Mapping[str, torch.Tensor]) -> None:
+        """Copy every entry's source in (cast to the entry's dtype), checksumming and
+        releasing each chunk as soon as it is complete."""
+        count = chunk_count(self.nbytes)
+        done = 0
+        try:
+            for entry in self.entries:
+                view = self.buffer[entry.offset:entry.offset + entry.nbytes]
+                view.view(DTYPES[entry.dtype]).reshape(entry.shape).copy_(sources[entry.name])
+                end = entry.offset + entry.nbytes
+                done = self._release(done, min(count, end // CHUNK_BYTES))
+            self._release(done, count)
+        except BaseException as exc:
+            with self._cond:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._ready = -1
+            self._cond.notify_all()
+
+    def _release(self, done: int, upto: int) -> int:
+        for index in range(done, upto):
+            self.checksums[index] = chunk_checksum(self.chunk(index))
+        if upto > done:
+            with self._cond:
+                self._ready = upto
+                self._cond.notify_all()
+        return max(done, upto)
 
     @property
     def nbytes(self) -> int:
@@ -83,27 +130,32 @@ def layout_fingerprint(entries: list[Entry], nbytes: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def pack(weights: Mapping[str, torch.Tensor], version: int,
-         dtype: torch.dtype | None = None) -> PackedVersion:
-    """Copy ``weights`` (floating tensors cast to ``dtype`` when given) into one buffer
-    and checksum its chunks."""
-    entries, offset, sources = [], 0, []
+def plan(weights: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None,
+         buffer: torch.Tensor | None = None) -> PackedVersion:
+    """An empty version laid out for ``weights`` (floating tensors cast to ``dtype`` when
+    given), in ``buffer`` when it has the right size (a retired version's: no page
+    faults); ``fill`` packs it."""
+    entries, offset = [], 0
     for name in sorted(weights):
-        tensor = weights[name].detach()
+        tensor = weights[name]
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         if target not in _NAMES:
             raise ValueError(f"tensor {name!r} has dtype {target}, which the network path "
                              f"does not carry (it carries {sorted(DTYPES)})")
         entry = Entry(name, _NAMES[target], tuple(tensor.shape), offset)
         entries.append(entry)
-        sources.append((entry, tensor, target))
         offset += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    buffer = torch.empty(offset, dtype=torch.uint8)
-    for entry, tensor, target in sources:
-        view = buffer[entry.offset:entry.offset + entry.nbytes].view(target).reshape(entry.shape)
-        view.copy_(tensor)
-    packed = PackedVersion(version, entries, buffer)
-    packed.checksums = [chunk_checksum(packed.chunk(i)) for i in range(chunk_count(offset))]
+    if buffer is None or buffer.numel() != offset:
+        buffer = torch.empty(offset, dtype=torch.uint8)
+    return PackedVersion(version, entries, buffer, [0] * chunk_count(offset), _ready=0)
+
+
+def pack(weights: Mapping[str, torch.Tensor], version: int,
+         dtype: torch.dtype | None = None) -> PackedVersion:
+    """Copy ``weights`` (floating tensors cast to ``dtype`` when given) into one buffer
+    and checksum its chunks, at once."""
+    packed = plan(weights, version, dtype)
+    packed.fill(weights)
     return packed
 
 

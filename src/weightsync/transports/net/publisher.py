@@ -62,6 +62,8 @@ class VersionPublisher:
         self._cond = threading.Condition()
         self._current: PackedVersion | None = None
         self._previous: PackedVersion | None = None
+        self._retired: PackedVersion | None = None
+        self._reading: dict[int, int] = {}  # id(version) -> streams reading it
         self._figures: dict[int, list[StreamFigures]] = {}
         self._connections: set[socket.socket] = set()
         self._closed = False
@@ -72,13 +74,27 @@ class VersionPublisher:
 
     # ------------------------------------------------------------------ the trainer's calls
     def publish(self, packed: PackedVersion) -> None:
-        """Make ``packed`` the version hosts get; the one before stays as a delta base."""
+        """Make ``packed`` the version hosts get (it may still be filling: streams wait for
+        each chunk); the one before stays as a delta base."""
         with self._cond:
+            retired = self._previous
             self._previous, self._current = self._current, packed
+            if retired is not None and retired.buffer is not packed.buffer:
+                self._retired = retired
             self._figures[packed.version] = []
             for old in [v for v in self._figures if v < packed.version - 8]:
                 del self._figures[old]
             self._cond.notify_all()
+
+    def spare_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A retired version's buffer of ``nbytes`` that no stream reads any more (reusing
+        it spares the page faults of fresh memory), or None."""
+        with self._cond:
+            retired = self._retired
+            if retired is None or retired.nbytes != nbytes or self._reading.get(id(retired), 0):
+                return None
+            self._retired = None
+            return retired.buffer
 
     def figures(self, version: int) -> list[StreamFigures]:
         with self._cond:
@@ -142,7 +158,15 @@ class VersionPublisher:
                 return
             figures = StreamFigures(host, packed.version)
             started = time.perf_counter()
-            self._stream(conn, packed, base, figures)
+            held = [v for v in (packed, base) if v is not None]  # counted by _choose
+            try:
+                self._stream(conn, packed, base, figures)
+            finally:
+                with self._cond:
+                    for v in held:
+                        self._reading[id(v)] -= 1
+                        if not self._reading[id(v)]:
+                            del self._reading[id(v)]
             verdict = recv_frame(conn)
             figures.seconds = time.perf_counter() - started
             if verdict.get("ok") != packed.version:
@@ -164,17 +188,21 @@ class VersionPublisher:
         """The version a host asked for (None: the current one) and the base to encode it
         against (None: whole chunks)."""
         want, base = request.get("want"), request.get("base")
-        with self._cond:
+        with self._cond:  # the versions chosen count as read until the stream ends
             current, previous = self._current, self._previous
-        if current is None or (want is not None and want != current.version):
-            return None, None
-        if not self.delta or not isinstance(base, dict) or base.get("session") != self.session:
-            return current, None
-        for candidate in (current, previous):
-            if candidate is not None and candidate.version == base.get("version") \
-                    and candidate.fingerprint == current.fingerprint == base.get("fingerprint"):
-                return current, candidate
-        return current, None
+            if current is None or (want is not None and want != current.version):
+                return None, None
+            chosen = None
+            if self.delta and isinstance(base, dict) and base.get("session") == self.session:
+                for candidate in (current, previous):
+                    if candidate is not None and candidate.version == base.get("version") \
+                            and candidate.fingerprint == current.fingerprint == base.get("fingerprint"):
+                        chosen = candidate
+                        break
+            for v in (current, chosen):
+                if v is not None:
+                    self._reading[id(v)] = self._reading.get(id(v), 0) + 1
+            return current, chosen
 
     def _stream(self, conn: socket.socket, packed: PackedVersion, base: PackedVersion | None,
                 figures: StreamFigures) -> None:
@@ -184,12 +212,17 @@ class VersionPublisher:
         count = chunk_count(packed.nbytes)
         if base is None:
             for index in range(count):
+                packed.wait_chunk(index, self.timeout)  # the trainer packs as hosts stream
                 self._send_chunk(conn, WHOLE, packed.chunk(index), packed.checksums[index], figures)
             return
         encoder = DeltaEncoder()
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-net-encode") as pool:
+            def encoded(i: int) -> tuple[int, torch.Tensor]:
+                packed.wait_chunk(i, self.timeout)
+                return encoder.encode(packed.chunk(i), base.chunk(i))
+
             def encode(i: int) -> Future[tuple[int, torch.Tensor]]:
-                return pool.submit(encoder.encode, packed.chunk(i), base.chunk(i))
+                return pool.submit(encoded, i)
             ahead = encode(0) if count else None
             for index in range(count):
                 assert ahead is not None
