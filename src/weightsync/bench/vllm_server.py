@@ -144,7 +144,8 @@ class VLLMServer:
                 os.killpg(self.proc.pid, sig)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the server and every process of its group; never leaves one behind."""
+        """Stop the server and every process of its group (never leaves one behind), and
+        remove its log."""
         if self.proc is None:
             return
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
@@ -159,6 +160,8 @@ class VLLMServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self.proc = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.log_path)
 
 
 def _group_alive(pgid: int) -> bool:
