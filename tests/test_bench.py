@@ -150,3 +150,18 @@ def test_pipe_floor_times_each_transfer_where_such_a_pipe_exists():
     opened[0].close()
     os.close(opened[1])
     assert samples is not None and len(samples) == 3 and all(t > 0 for t in samples)
+
+
+def test_the_vllm_serve_bench_model_is_llama_shaped_and_sized():
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    from weightsync.bench.vllm_serve import llama_config
+
+    for nbytes in (40_000_000, 400_000_000):
+        config = llama_config(nbytes)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        fp32 = sum(p.numel() for p in model.parameters()) * 4
+        assert 0.8 * nbytes < fp32 < 1.2 * nbytes, (nbytes, fp32)

@@ -23,7 +23,8 @@ Run 'weightsync demo --help' or 'weightsync bench --help' for their options."""
 #: what each command needs beyond the core, as (module, extra) pairs
 DEMO_NEEDS = [("gymnasium", "demo"), ("rich", "demo"), ("matplotlib", "demo")]
 TRANSPORT_NEEDS = {"ray": [("ray", "ray")], "ray-delta": [("ray", "ray"), ("zstandard", "delta")],
-                   "lora": [("vllm", "vllm"), ("peft", "lora"), ("transformers", "hf")]}
+                   "lora": [("vllm", "vllm"), ("peft", "lora"), ("transformers", "hf")],
+                   "vllm-serve": [("vllm", "vllm"), ("zstandard", "delta")]}
 
 #: exit status for a missing extra (as argparse uses for a usage error) and after Ctrl-C
 EXIT_MISSING_EXTRA = 2
@@ -208,13 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "every worker's model holds the version, beside one memcpy of the "
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
-                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta", "lora"],
+                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta", "lora",
+                                "vllm-serve"],
                        help="transports to time (ray only if installed; sharded: an FSDP2 "
                        "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
                        "baseline, with 2 zero-copy workers; ray-delta: full vs delta=True "
                        "bf16 sends to a second host, two network namespaces this command "
                        "builds, root only; lora: LoRA adapter-only sync vs the full merged "
-                       "sync into a vLLM engine, on the LLM demo's small model)")
+                       "sync into a vLLM engine, on the LLM demo's small model; vllm-serve: a "
+                       "Llama-shaped model of each size sent as bf16 to a real vllm serve on "
+                       "a second host, beside a bare TCP transfer and the naive checkpoint "
+                       "copy, at each --link-rates, root only)")
     bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
                        metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
     bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],
@@ -236,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(tc syntax: 10gbit, 1gbit, 500mbit; default: uncapped, memory speed)")
     bench.add_argument("--lora-ranks", nargs="+", type=_positive_int, default=[8, 16, 32, 64],
                        help="lora only: adapter ranks (on every attention and MLP projection)")
+    bench.add_argument("--link-rates", nargs="+", type=_link_rate, default=["1gbit", "10gbit"],
+                       metavar="RATE", help="vllm-serve only: the link caps to measure at")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)

@@ -128,3 +128,14 @@ def merged_greedy(model: Any, prompts: list[list[int]] = PROMPTS,
 
     merged = copy.deepcopy(model).merge_and_unload()
     return transformers_greedy(merged, prompts, new_tokens)
+
+
+def rounded_copy(model: Any, dtype: torch.dtype) -> Any:
+    """A copy of ``model`` whose weights went through ``dtype`` and back: what an engine
+    serves after an update sent in ``dtype``."""
+    copy = build_model()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+    return copy

@@ -49,7 +49,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                                     + 2 * ("ray" in args.transports))
                                + 2 * ("file" in args.transports)
                                + ("sharded" in args.transports)
-                               + 2 * (len(args.workers) + 1) * ("ray-delta" in args.transports))
+                               + 2 * (len(args.workers) + 1) * ("ray-delta" in args.transports)
+                               + 4 * len(args.link_rates) * ("vllm-serve" in args.transports))
     total += (args.repeats + 3) * ("lora" in args.transports)
     progress, stop = _progress(total)
     notes: list[str] = []
@@ -91,6 +92,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
             from weightsync.bench.lora import run_lora_bench
 
             rows += run_lora_bench(args.lora_ranks, args.repeats, progress, notes)
+        if "vllm-serve" in args.transports:
+            from weightsync.bench.vllm_serve import run_vllm_serve_bench
+
+            for size, nbytes in args.sizes:
+                serve_rows, table = run_vllm_serve_bench(size, nbytes, args.link_rates,
+                                                         args.repeats, progress)
+                rows += serve_rows
+                tables.append(f"vllm serve on another host, {size} fp32 sent as bf16:\n{table}")
     finally:
         stop()
     print(format_table(rows))

@@ -106,6 +106,31 @@ class TwoHostCluster:
         return f"{ADDRESS_A}:{GCS_PORT}"
 
     # ------------------------------------------------------------------ network
+    def network_up(self) -> None:
+        """The two namespaces and the veth pair between them (no Ray)."""
+        self._network_up()
+
+    def network_down(self) -> None:
+        """Kill every process in either namespace, delete the veth pair and namespaces."""
+        self._kill(self.pids())
+        _run("ip", "-n", self.ns_a, "link", "del", self.veth_a, check=False)
+        _run("ip", "link", "del", self.veth_a, check=False)
+        for ns in (self.ns_a, self.ns_b):
+            _run("ip", "netns", "del", ns, check=False)
+
+    def enter(self, host: str = "a") -> None:
+        """Move this process's calling thread (and the threads it starts from now on) onto
+        host ``"a"`` or ``"b"``; ``leave`` comes back."""
+        if self._home_ns < 0:
+            self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
+        _setns(f"/run/netns/{self.ns_a if host == 'a' else self.ns_b}")
+
+    def leave(self) -> None:
+        if self._home_ns >= 0:
+            _setns(self._home_ns)
+            os.close(self._home_ns)
+            self._home_ns = -1
+
     def _network_up(self) -> None:
         a, b = self.ns_a, self.ns_b
         _run("ip", "netns", "add", a)
@@ -222,15 +247,8 @@ class TwoHostCluster:
             else:
                 os.environ[name] = value
         _refresh_ray_config()
-        if self._home_ns >= 0:
-            _setns(self._home_ns)
-            os.close(self._home_ns)
-            self._home_ns = -1
-        self._kill(self.pids())
-        _run("ip", "-n", self.ns_a, "link", "del", self.veth_a, check=False)
-        _run("ip", "link", "del", self.veth_a, check=False)
-        for ns in (self.ns_a, self.ns_b):
-            _run("ip", "netns", "del", ns, check=False)
+        self.leave()
+        self.network_down()
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
@@ -294,6 +312,19 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+@contextlib.contextmanager
+def two_host_network() -> Iterator[TwoHostCluster]:
+    """Two hosts joined by a link, without Ray: the caller runs what it needs on each
+    (``ip netns exec``, or :meth:`TwoHostCluster.enter`). Everything is removed on exit."""
+    cluster = TwoHostCluster("")
+    try:
+        cluster.network_up()
+        yield cluster
+    finally:
+        cluster.leave()
+        cluster.network_down()
 
 
 @contextlib.contextmanager

@@ -12,12 +12,22 @@ versions from a ``VLLMDoubleBufferSyncScheme`` directory; the trainer side
     llm.update_weights({"update_info": {"version": v}})
     llm.finish_weight_update(weight_version=str(v))
 
-This module imports vLLM; the rest of the package does not.
+This module imports vLLM; the rest of the package does not. Importing it registers the
+backend with vLLM's factories (``plugin.register``, idempotent), so a trainer process that
+is not a vLLM process finds ``WeightTransferTrainerFactory.trainer_init``'s ``weightsync``
+engine as soon as it imports ``WeightSyncTrainerInitInfo``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,13 +48,26 @@ from vllm.model_executor.model_loader.reload import (
 
 from weightsync.core.checks import checked_int
 from weightsync.core.deadline import checked_timeout, required_timeout
+from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
+from weightsync.integrations.vllm.plugin import register
+from weightsync.integrations.vllm.remote import (
+    HostReceiver,
+    host_name,
+    request_key,
+    staging_directory,
+    wait_staged,
+)
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
     VLLMDoubleBufferWeightSender,
 )
+from weightsync.transports.delta.codec import check_available as check_delta_available
+from weightsync.transports.net.packed import PackedVersion, plan
+from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
+from weightsync.transports.net.wire import split_address
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +76,29 @@ BACKEND = "weightsync"
 
 @dataclass
 class WeightSyncInitInfo(WeightTransferInitInfo):
-    """``init_info`` of ``llm.init_weight_transfer_engine``: the trainer's directory."""
+    """``init_info`` of ``llm.init_weight_transfer_engine``: the trainer's ``directory`` (one
+    host), or the ``address`` it listens at with the session's ``token`` (the network path:
+    the trainer engine fills both, and a ``ticket`` naming this init)."""
 
-    directory: str
+    directory: str = ""
     timeout: float = 60.0
     num_workers: int | None = None
+    address: str = ""
+    token: str = ""
+    ticket: str = ""
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
-        self.directory = engine_directory(self.directory)
+        if bool(self.directory) == bool(self.address):
+            raise ValueError("init_info needs exactly one of 'directory' (a directory both "
+                             "sides see) and 'address' (the trainer's HOST:PORT)")
+        if self.directory:
+            self.directory = engine_directory(self.directory)
+        else:
+            split_address(self.address)
+            if not self.token or not self.ticket:
+                raise ValueError("init_info with 'address' needs the trainer's 'token' and "
+                                 "'ticket' (the weightsync trainer engine sends them)")
         self.timeout = required_timeout(self.timeout, "init_info timeout")
         if self.num_workers is not None:
             self.num_workers = checked_int(self.num_workers, "init_info num_workers", 1)
@@ -92,6 +129,17 @@ def _worker_index() -> int:
         return 0
 
 
+def _is_host_receiver() -> bool:
+    """Whether this worker receives the network path's versions for its host (local rank 0:
+    one receive per host, however many ranks it has)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().local_rank) == 0
+    except Exception:  # no group initialised: a single worker
+        return True
+
+
 class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
     """The worker side: each update loads one committed version from the directory,
     checked against the served model's layout, through vLLM's layerwise reload."""
@@ -104,6 +152,11 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         super().__init__(*args, **kwargs)
         self.worker_idx = _worker_index()
         self.receiver: VLLMDoubleBufferWeightReceiver | None = None
+        self.remote: WeightSyncInitInfo | None = None  # the network path's session
+        self.host: HostReceiver | None = None  # this host's one receiver (local rank 0)
+        engine_id = f"{getattr(self.vllm_config, 'instance_id', '')}/{os.getppid()}"
+        self.staging = staging_directory(engine_id)
+        self.host_label = host_name(engine_id)
 
     def _reload(self, pairs: Pairs) -> None:
         initialize_layerwise_reload(self.model)
@@ -113,20 +166,45 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         """Attach to the directory and load its newest committed version (so a layout that
-        does not fit the served model fails here, with ``SchemaMismatchError``)."""
+        does not fit the served model fails here, with ``SchemaMismatchError``); on the
+        network path, first have this host's receiver fetch the trainer's current version
+        into the host-local staging directory."""
         self.shutdown()
         idx = self.worker_idx
+        directory, num_workers, local = init_info.directory, init_info.num_workers, None
+        if init_info.address:
+            where = f"vLLM worker {idx} on {self.host_label}"
+            if _is_host_receiver():
+                if self.host is None:
+                    self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
+                                             init_info.timeout)
+                key = request_key(init_info.token, f"init/{init_info.ticket}")
+                local = self.host.stage(init_info.address, init_info.token, None, key,
+                                        init_info.timeout)
+            else:
+                key = request_key(init_info.token, f"init/{init_info.ticket}")
+                local = wait_staged(self.staging, key, init_info.timeout, where)
+            directory, num_workers = str(self.staging), self._local_ranks()
+            self.remote = init_info
         scheme = VLLMDoubleBufferSyncScheme(
-            init_info.directory, num_workers=max(init_info.num_workers or idx + 1, idx + 1),
+            directory, num_workers=max(num_workers or idx + 1, idx + 1),
             timeout=init_info.timeout,
         )
         receiver = scheme.create_receiver(worker_idx=idx)
-        loader = EngineLoader(self, f"vLLM worker {idx} ({init_info.directory})", reload=self._reload,
+        loader = EngineLoader(self, f"vLLM worker {idx} ({init_info.address or directory})",
+                              reload=self._reload,
                               hf_config=getattr(self.model_config, "hf_config", None))
         receiver.register_loader(loader)
         receiver.connect(timeout=init_info.timeout)
+        if local is not None:
+            apply_exact(receiver, local, init_info.timeout)
         self.receiver = receiver
-        logger.info("worker %d joined %s at version %d", idx, init_info.directory, receiver.version)
+        logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
+                    receiver.version)
+
+    def _local_ranks(self) -> int:
+        """The ranks that load from this host's staging directory (an engine on one host)."""
+        return max(int(getattr(self.parallel_config, "world_size", 1) or 1), 1)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
@@ -141,19 +219,49 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         receiver = self._receiver()
         version = update_info.version
+        if self.remote is not None:
+            self._receive_remote(receiver, version, update_info.timeout)
+            return
         if version is None:
             version = receiver.newest_committed()
             if version is None:
                 return
         apply_exact(receiver, version, update_info.timeout)
 
+    def _receive_remote(self, receiver: VLLMDoubleBufferWeightReceiver, version: int | None,
+                        timeout: float | None) -> None:
+        """The network path: this host's receiver fetches the trainer's ``version`` and
+        stages it; every rank then loads exactly that staged version."""
+        remote = self.remote
+        assert remote is not None
+        if version is None:
+            raise ValueError("the weightsync network path needs update_info {'version': v} "
+                             "(the weightsync trainer engine sends it)")
+        timeout = remote.timeout if timeout is None else timeout
+        key = request_key(remote.token, f"version/{version}")
+        if self.host is not None:
+            local = self.host.stage(remote.address, remote.token, version, key, timeout)
+        else:
+            local = wait_staged(self.staging, key, timeout,
+                                f"vLLM worker {self.worker_idx} on {self.host_label}")
+        apply_exact(receiver, local, timeout)
+
     def finish_weight_update(self) -> None:
         """Nothing to finalise: the version was loaded and post-processed whole."""
 
     def shutdown(self) -> None:
+        """Detach from the directory; the host's staging directory stays for the next init
+        (``close`` removes it with the engine)."""
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+        self.remote = None
+
+    def __del__(self) -> None:
+        host = getattr(self, "host", None)
+        if host is not None:
+            with contextlib.suppress(Exception):
+                host.close()
 
     @property
     def version(self) -> int:
@@ -171,19 +279,32 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
 
 @dataclass
 class WeightSyncTrainerInitInfo(TrainerInitInfo):
-    """Trainer side: where to write, in which dtype (e.g. "bfloat16"), for how many workers."""
+    """Trainer side: where versions go (``directory``, on one host; or ``address``,
+    ``HOST:PORT`` where the trainer listens for its servers' hosts), in which dtype (e.g.
+    "bfloat16"), for how many workers; ``delta``: each host gets the difference from the
+    version it holds (network path)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = ""
     dtype: str | None = None
     timeout: float = 60.0
     num_workers: int = 1
+    address: str = ""
+    delta: bool = False
+
+
+def _server_name(client: Any) -> str:
+    """How an error names a server: its URL when the client has one."""
+    return str(getattr(client, "base_url", None) or client)
 
 
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
-    """The trainer side: commits each round's weights to the directory (rank 0 writes; the
-    other ranks only iterate the source for its collectives), then tells vLLM which version
-    to load."""
+    """The trainer side. With ``directory``: commits each round's weights to the directory
+    (rank 0 writes; the other ranks only iterate the source for its collectives), then tells
+    vLLM which version to load. With ``address``: publishes each round's version on its own
+    authenticated listener and has every server (``client``: one, or a list of them) fetch
+    and load it; ``send_weights`` returns once every server serves it, or raises naming the
+    servers that do not."""
 
     init_info_cls = WeightSyncTrainerInitInfo
 
@@ -191,38 +312,157 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                  is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender: VLLMDoubleBufferWeightSender | None = None
+        self.publisher: VersionPublisher | None = None
+        self.clients: list[Any] = list(client) if isinstance(client, (list, tuple)) else [client]
+        self.dtype: torch.dtype | None = None
+        self.timeout = 60.0
         self.version = -1
+        self._stats: list[dict[str, Any]] = []
+        self._pack_seconds = 0.0
+        self._token = ""
+        self._needs_init: set[int] = set()  # servers to initialise again (they failed)
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: WeightSource | None = None) -> WeightSyncTrainerEngine:
         if source is None:
             raise ValueError("the weightsync trainer engine needs a WeightSource (e.g. ModuleSource)")
-        if not init_info.directory:
-            raise ValueError("WeightSyncTrainerInitInfo.directory is required")
+        if bool(init_info.directory) == bool(init_info.address):
+            raise ValueError("WeightSyncTrainerInitInfo needs exactly one of directory= (one "
+                             "host) and address= (HOST:PORT the servers' hosts can reach)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         weights = engine._materialise()
-        if engine.is_sender:
-            dtype = getattr(torch, init_info.dtype) if init_info.dtype else None
-            scheme = VLLMDoubleBufferSyncScheme(init_info.directory, num_workers=init_info.num_workers,
-                                                timeout=init_info.timeout, dtype=dtype)
-            engine.sender = scheme.create_sender()
-            engine.sender.register_model(weights)
-            engine.version = engine.sender.update_weights(weights)
-            client.init_weight_transfer_engine({
-                "directory": init_info.directory, "timeout": init_info.timeout,
-                "num_workers": init_info.num_workers,
-            })
+        if not engine.is_sender:
+            return engine
+        engine.dtype = getattr(torch, init_info.dtype) if init_info.dtype else None
+        engine.timeout = required_timeout(init_info.timeout, "timeout")
+        if init_info.address:
+            engine._start_network(init_info, weights)
+            return engine
+        scheme = VLLMDoubleBufferSyncScheme(init_info.directory, num_workers=init_info.num_workers,
+                                            timeout=init_info.timeout, dtype=engine.dtype)
+        engine.sender = scheme.create_sender()
+        engine.sender.register_model(weights)
+        engine.version = engine.sender.update_weights(weights)
+        client.init_weight_transfer_engine({
+            "directory": init_info.directory, "timeout": init_info.timeout,
+            "num_workers": init_info.num_workers,
+        })
         return engine
+
+    def _start_network(self, init_info: WeightSyncTrainerInitInfo,
+                       weights: dict[str, torch.Tensor]) -> None:
+        if init_info.delta:
+            check_delta_available()
+        self._token = secrets.token_hex(32)
+        self.publisher = VersionPublisher(init_info.address, self._token, timeout=self.timeout,
+                                          delta=init_info.delta)
+        self.version = 0
+        packed = self._publish(weights)
+        try:
+            self._each_server("init", self._init_server, lambda: self._fill(packed, weights))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_server(self, index: int, client: Any) -> None:
+        """Have a server's host fetch the current version and every rank load it (a new or
+        restarted server gets it whole)."""
+        assert self.publisher is not None
+        client.init_weight_transfer_engine({
+            "address": self.publisher.address, "token": self._token,
+            "ticket": secrets.token_hex(8), "timeout": self.timeout,
+        })
 
     def _materialise(self) -> dict[str, torch.Tensor]:
         assert self.source is not None
         return {name: tensor.detach() for name, tensor in self.source}
 
+    def _publish(self, weights: dict[str, torch.Tensor]) -> PackedVersion:
+        """Lay out this round's version and publish it before it is packed: hosts stream
+        each chunk as soon as ``_fill`` has packed it."""
+        assert self.publisher is not None
+        nbytes = plan(weights, self.version, self.dtype).nbytes  # layout only (no copy)
+        packed = plan(weights, self.version, self.dtype, self.publisher.spare_buffer(nbytes))
+        self.publisher.publish(packed)
+        return packed
+
+    def _fill(self, packed: PackedVersion, weights: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+        packed.fill(weights)
+        self._pack_seconds = time.perf_counter() - started
+
+    def _each_server(self, what: str, call: Callable[[int, Any], None],
+                     meanwhile: Callable[[], None]) -> None:
+        """Run ``call`` for every server at once, each within the engine's timeout; then
+        raise one error naming each server that failed or did not answer in time (the
+        others got the version). A server that failed is initialised again before its next
+        update (a restarted one has nothing: it takes the version whole)."""
+        started = time.perf_counter()
+        errors: dict[str, BaseException] = {}
+        pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
+        try:
+            futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
+            meanwhile()  # pack the version while the servers' hosts stream it
+            wait_futures(futures.values(), timeout=self.timeout)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a stalled call is left behind
+        for index, future in futures.items():
+            name = _server_name(self.clients[index])
+            if not future.done():
+                errors[name] = WeightSyncTimeoutError(
+                    f"no answer within {self.timeout:g}s (the engine's timeout)")
+            elif future.exception() is not None:
+                errors[name] = future.exception()  # type: ignore[assignment]
+            if name in errors:
+                self._needs_init.add(index)
+        assert self.publisher is not None
+        streams = self.publisher.wait_streams(self.version, len(self.clients) - len(errors), 5.0)
+        self._record(what, time.perf_counter() - started, streams, errors)
+        if errors:
+            detail = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in errors.items())
+            raise WeightSyncError(
+                f"version {self.version} ({what}) is not served by {len(errors)} of "
+                f"{len(self.clients)} servers: {detail}"
+            ) from next(iter(errors.values()))
+
+    def _record(self, what: str, seconds: float, streams: list[StreamFigures],
+                errors: dict[str, BaseException]) -> None:
+        self._stats.append({
+            "version": self.version, "call": what, "seconds": seconds,
+            "pack_seconds": self._pack_seconds,
+            "wire_bytes": sum(f.wire_bytes for f in streams),
+            "chunks": sum(f.chunks for f in streams),
+            "delta_chunks": sum(f.delta_chunks for f in streams),
+            "hosts": [figures_dict(f) for f in streams],
+            "failed": {name: str(exc) for name, exc in errors.items()},
+        })
+        del self._stats[:-64]
+
+    def stats(self) -> dict[str, Any]:
+        """Per version sent on the network path: wire bytes, chunks and chunks sent as
+        deltas (all hosts together, and per host), seconds; ``"last"`` is the newest."""
+        return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats)}
+
     def send_weights(self) -> None:
-        """Commit this round's weights, then have every vLLM worker load that version."""
+        """Send this round's weights, then have every vLLM worker load that version."""
         weights = self._materialise()
         if not self.is_sender:
+            return
+        if self.publisher is not None:
+            self.version += 1
+            packed = self._publish(weights)
+            version = self.version
+
+            def update(index: int, client: Any) -> None:
+                if index in self._needs_init:
+                    self._init_server(index, client)
+                    self._needs_init.discard(index)
+                client.start_weight_update()
+                client.update_weights({"version": version})
+                client.finish_weight_update(weight_version=str(version))
+
+            self._each_server("update", update, lambda: self._fill(packed, weights))
             return
         assert self.sender is not None
         self.version = self.sender.update_weights(weights)
@@ -234,6 +474,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
 
 class OfflineLLMClient:
@@ -271,3 +514,6 @@ class OfflineLLMClient:
             self.llm.reset_prefix_cache()
         finally:
             self.llm.wake_up(tags=["scheduling"])
+
+
+register()  # vLLM runs its plugins only in its own processes: a trainer's needs this

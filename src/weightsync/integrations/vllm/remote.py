@@ -1,0 +1,109 @@
+"""The server host's side of the network path (``init_info`` with ``address``): one
+receiver per host (the engine's rank 0) fetches each version from the trainer over the
+network transport, verified chunk by chunk, and stages it as a committed version of a
+host-local private directory in the existing double-buffer format, beside the one served;
+every tensor-parallel rank then loads it from there with the directory path's own code,
+exactly or not at all. A small status file tells the other ranks which local version holds
+the trainer's version (or why there is none). Nothing here imports vLLM."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
+from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme, VLLMDoubleBufferWeightSender
+from weightsync.transports.directory.files import write_json_atomic
+from weightsync.transports.net.fetch import VersionFetcher
+
+logger = logging.getLogger(__name__)
+
+STATUS = "staged.json"
+_POLL = 0.02
+
+
+def staging_directory(engine_id: str) -> Path:
+    """The host-local private directory of one engine (every rank of it computes the same
+    path): in /dev/shm where there is one, mode 0700."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+    return Path(base) / f"weightsync-vllm-{os.getuid()}-{digest}"
+
+
+def request_key(token: str, what: str) -> str:
+    """Names one request (an init's ticket, or an update's version) of one trainer session
+    in the status file, without writing the token there."""
+    return hashlib.sha256(f"{token}/{what}".encode()).hexdigest()[:24]
+
+
+class HostReceiver:
+    """The one receiver of a host: fetches versions and commits them to ``directory`` for
+    the engine's ``num_workers`` ranks."""
+
+    def __init__(self, directory: Path, num_workers: int, name: str, timeout: float) -> None:
+        self.directory = directory
+        if directory.exists():
+            shutil.rmtree(directory)  # a previous engine's leftovers: nothing to trust there
+        directory.mkdir(mode=0o700, parents=True)
+        self.scheme = VLLMDoubleBufferSyncScheme(directory, num_workers=num_workers, timeout=timeout)
+        self.sender: VLLMDoubleBufferWeightSender | None = None
+        self.fetcher = VersionFetcher(name)
+
+    def stage(self, address: str, token: str, want: int | None, key: str, timeout: float) -> int:
+        """Fetch ``want`` (None: the trainer's current version), commit it locally and
+        return its local version; the outcome is in the status file under ``key`` either
+        way (an error is raised here too)."""
+        try:
+            packed = self.fetcher.fetch(address, token, want, timeout)
+            tensors = packed.tensors()
+            if self.sender is None:
+                self.sender = self.scheme.create_sender()
+                self.sender.register_model(tensors)
+            local = int(self.sender.update_weights(tensors, timeout=timeout))
+        except Exception as exc:
+            self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
+            raise
+        self._status({"key": key, "local": local, "version": packed.version})
+        return local
+
+    def _status(self, status: dict[str, Any]) -> None:
+        write_json_atomic(self.directory / STATUS, status, mode=0o600, durable=False)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def wait_staged(directory: Path, key: str, timeout: float, where: str) -> int:
+    """The local version the host's receiver staged for ``key`` (ranks other than the
+    receiver wait here); the receiver's error, or ``WeightSyncTimeoutError``."""
+    deadline = Deadline(timeout)
+    while True:
+        status = None
+        with contextlib.suppress(OSError, ValueError):
+            status = json.loads((directory / STATUS).read_text())
+        if isinstance(status, dict) and status.get("key") == key:
+            if "error" in status:
+                raise WeightSyncError(f"{where}: this host's receiver failed: {status['error']}")
+            return int(status["local"])
+        if deadline.expired():
+            raise WeightSyncTimeoutError(
+                f"{where}: this host's receiver (rank 0) staged nothing in {directory} within "
+                f"{deadline}")
+        time.sleep(deadline.slice(_POLL))
+
+
+def host_name(engine_id: str) -> str:
+    return f"{socket.gethostname()}/{engine_id[:12]}"

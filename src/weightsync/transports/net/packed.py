@@ -1,0 +1,182 @@
+"""A version as it crosses the network: one contiguous byte buffer holding every tensor
+(cast to the wire dtype) at 64-byte aligned offsets, its typed layout (name, dtype, shape,
+offset: JSON, nothing pickled), and the checksum of each ``CHUNK_BYTES`` chunk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.transports.net.wire import CHUNK_BYTES, ProtocolError, chunk_checksum
+
+ALIGN = 64
+#: the dtypes a version may hold, by the names that travel (never evaluated)
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * DTYPES[self.dtype].itemsize
+
+
+@dataclass
+class PackedVersion:
+    """One version: ``buffer`` (uint8) holds every entry; ``checksums`` one per chunk.
+    A version being filled (``fill``) is streamed as it fills: ``wait_chunk(i)`` returns
+    once chunk ``i`` is packed and checksummed."""
+
+    version: int
+    entries: list[Entry]
+    buffer: torch.Tensor
+    checksums: list[int] = field(default_factory=list)
+    _ready: int = -1  # chunks [0, _ready) are packed; -1: all of them
+    _failed: str | None = None
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def wait_chunk(self, index: int, timeout: float) -> None:
+        """Block until chunk ``index`` is packed; ``TimeoutError`` or ``RuntimeError`` (the
+        pack failed) otherwise."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready < 0 or self._ready > index
+                                       or self._failed is not None, timeout):
+                raise TimeoutError(f"chunk {index} of version {self.version} not packed in "
+                                   f"{timeout:g}s")
+            if self._failed is not None:
+                raise RuntimeError(f"packing version {self.version} failed: {self._failed}")
+
+    def fill(self, sources: Mapping[str, torch.Tensor]) -> None:
+        """Copy every entry's source in (cast to the entry's dtype), checksumming and
+        releasing each chunk as soon as it is complete."""
+        count = chunk_count(self.nbytes)
+        done = 0
+        try:
+            for entry in self.entries:
+                view = self.buffer[entry.offset:entry.offset + entry.nbytes]
+                view.view(DTYPES[entry.dtype]).reshape(entry.shape).copy_(sources[entry.name])
+                end = entry.offset + entry.nbytes
+                done = self._release(done, min(count, end // CHUNK_BYTES))
+            self._release(done, count)
+        except BaseException as exc:
+            with self._cond:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._ready = -1
+            self._cond.notify_all()
+
+    def _release(self, done: int, upto: int) -> int:
+        for index in range(done, upto):
+            self.checksums[index] = chunk_checksum(self.chunk(index))
+        if upto > done:
+            with self._cond:
+                self._ready = upto
+                self._cond.notify_all()
+        return max(done, upto)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    @property
+    def fingerprint(self) -> str:
+        """Equal for two versions of one layout: a delta needs its base's layout."""
+        return layout_fingerprint(self.entries, self.nbytes)
+
+    def chunk(self, index: int) -> torch.Tensor:
+        return self.buffer[index * CHUNK_BYTES:(index + 1) * CHUNK_BYTES]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every entry as a tensor viewing ``buffer`` (no copy)."""
+        out = {}
+        for e in self.entries:
+            raw = self.buffer[e.offset:e.offset + e.nbytes]
+            out[e.name] = raw.view(DTYPES[e.dtype]).reshape(e.shape)
+        return out
+
+    def header(self, session: str) -> dict[str, Any]:
+        return {"version": self.version, "session": session, "nbytes": self.nbytes,
+                "chunk_bytes": CHUNK_BYTES,
+                "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]}
+
+
+def chunk_count(nbytes: int) -> int:
+    return (nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES
+
+
+def layout_fingerprint(entries: list[Entry], nbytes: int) -> str:
+    text = json.dumps([[e.name, e.dtype, list(e.shape), e.offset] for e in entries] + [nbytes])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def plan(weights: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None,
+         buffer: torch.Tensor | None = None) -> PackedVersion:
+    """An empty version laid out for ``weights`` (floating tensors cast to ``dtype`` when
+    given), in ``buffer`` when it has the right size (a retired version's: no page
+    faults); ``fill`` packs it."""
+    entries, offset = [], 0
+    for name in sorted(weights):
+        tensor = weights[name]
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        if target not in _NAMES:
+            raise ValueError(f"tensor {name!r} has dtype {target}, which the network path "
+                             f"does not carry (it carries {sorted(DTYPES)})")
+        entry = Entry(name, _NAMES[target], tuple(tensor.shape), offset)
+        entries.append(entry)
+        offset += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    if buffer is None or buffer.numel() != offset:
+        buffer = torch.empty(offset, dtype=torch.uint8)
+    return PackedVersion(version, entries, buffer, [0] * chunk_count(offset), _ready=0)
+
+
+def pack(weights: Mapping[str, torch.Tensor], version: int,
+         dtype: torch.dtype | None = None) -> PackedVersion:
+    """Copy ``weights`` (floating tensors cast to ``dtype`` when given) into one buffer
+    and checksum its chunks, at once."""
+    packed = plan(weights, version, dtype)
+    packed.fill(weights)
+    return packed
+
+
+def parse_header(header: dict[str, Any], limit: int) -> tuple[int, str, list[Entry], int]:
+    """``(version, session, entries, nbytes)`` of a version header, every field
+    checked (types, dtypes, bounds): ``ProtocolError`` naming the first bad one."""
+    try:
+        version, session, nbytes = int(header["version"]), str(header["session"]), int(header["nbytes"])
+        if int(header["chunk_bytes"]) != CHUNK_BYTES:
+            raise ProtocolError(f"chunks of {header['chunk_bytes']} bytes (expected {CHUNK_BYTES})")
+        if not 0 <= nbytes <= limit:
+            raise ProtocolError(f"a version of {nbytes} bytes (at most {limit})")
+        entries = []
+        for name, dtype, shape, offset in header["entries"]:
+            if dtype not in DTYPES or not isinstance(name, str):
+                raise ProtocolError(f"entry {name!r} has dtype {dtype!r}")
+            entry = Entry(name, dtype, tuple(int(s) for s in shape), int(offset))
+            if min(entry.shape, default=0) < 0 or entry.offset < 0 or entry.offset % ALIGN \
+                    or entry.offset + entry.nbytes > nbytes:
+                raise ProtocolError(f"entry {name!r} does not fit the version's {nbytes} bytes")
+            entries.append(entry)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"a malformed version header ({type(exc).__name__}: {exc})") from None
+    return version, session, entries, nbytes

@@ -1,0 +1,248 @@
+"""The trainer's end of the network transport: a listener that admits only hosts proving
+the session's token, and streams each the version it asks for, chunk by chunk (a delta
+against the version the host says it holds, when the trainer still has that version and
+``delta`` is on; the chunk itself otherwise), then waits for the host's verdict."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaEncoder
+from weightsync.transports.net.handshake import HandshakeError, accept_peer
+from weightsync.transports.net.packed import PackedVersion, chunk_count
+from weightsync.transports.net.wire import (
+    CHUNK_HEADER,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+    split_address,
+    tensor_view,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamFigures:
+    """What one host received of one version."""
+
+    host: str
+    version: int
+    wire_bytes: int = 0
+    chunks: int = 0
+    delta_chunks: int = 0  # sent as a delta (an unchanged chunk counts, at 0 bytes)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class VersionPublisher:
+    """Listens at ``address`` (``HOST:PORT``; port 0 picks one) and serves the current
+    version to every host that proves ``token``."""
+
+    def __init__(self, address: str, token: str, *, timeout: float, delta: bool) -> None:
+        host, port = split_address(address)
+        self.token = token
+        self.timeout = timeout
+        self.delta = delta
+        self.session = secrets.token_hex(8)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        bound = self._listener.getsockname()[1]
+        self.address = f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
+        self._cond = threading.Condition()
+        self._current: PackedVersion | None = None
+        self._previous: PackedVersion | None = None
+        self._retired: PackedVersion | None = None
+        self._reading: dict[int, int] = {}  # id(version) -> streams reading it
+        self._figures: dict[int, list[StreamFigures]] = {}
+        self._connections: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="weightsync-net-listener",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("listening for weightsync hosts at %s", self.address)
+
+    # ------------------------------------------------------------------ the trainer's calls
+    def publish(self, packed: PackedVersion) -> None:
+        """Make ``packed`` the version hosts get (it may still be filling: streams wait for
+        each chunk); the one before stays as a delta base."""
+        with self._cond:
+            retired = self._previous
+            self._previous, self._current = self._current, packed
+            if retired is not None and retired.buffer is not packed.buffer:
+                self._retired = retired
+            self._figures[packed.version] = []
+            for old in [v for v in self._figures if v < packed.version - 8]:
+                del self._figures[old]
+            self._cond.notify_all()
+
+    def spare_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A retired version's buffer of ``nbytes`` that no stream reads any more (reusing
+        it spares the page faults of fresh memory), or None."""
+        with self._cond:
+            retired = self._retired
+            if retired is None or retired.nbytes != nbytes or self._reading.get(id(retired), 0):
+                return None
+            self._retired = None
+            return retired.buffer
+
+    def figures(self, version: int) -> list[StreamFigures]:
+        with self._cond:
+            return list(self._figures.get(version, []))
+
+    def wait_streams(self, version: int, count: int, timeout: float) -> list[StreamFigures]:
+        """The figures of ``version`` once ``count`` streams of it ended (or ``timeout``)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while len(self._figures.get(version, [])) < count:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return list(self._figures.get(version, []))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            connections = list(self._connections)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ serving hosts
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
+                             name="weightsync-net-stream", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        figures: StreamFigures | None = None
+        try:
+            conn.settimeout(self.timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                host = f"{accept_peer(conn, self.token)} ({peer})"
+            except (HandshakeError, ProtocolError, OSError) as exc:
+                logger.warning("refused a connection from %s: %s", peer, exc)
+                return
+            request = recv_frame(conn)
+            packed, base = self._choose(request)
+            if packed is None:
+                with self._cond:
+                    current = None if self._current is None else self._current.version
+                send_frame(conn, {"error": f"the trainer has no version {request.get('want')} "
+                                           f"(its current version is {current})"})
+                return
+            figures = StreamFigures(host, packed.version)
+            started = time.perf_counter()
+            held = [v for v in (packed, base) if v is not None]  # counted by _choose
+            try:
+                self._stream(conn, packed, base, figures)
+            finally:
+                with self._cond:
+                    for v in held:
+                        self._reading[id(v)] -= 1
+                        if not self._reading[id(v)]:
+                            del self._reading[id(v)]
+            verdict = recv_frame(conn)
+            figures.seconds = time.perf_counter() - started
+            if verdict.get("ok") != packed.version:
+                figures.error = str(verdict.get("error", verdict))[:2000]
+                logger.warning("host %s refused version %d: %s", host, packed.version, figures.error)
+        except Exception as exc:  # a host that died or stalled: named in its figures
+            logger.warning("stream to %s failed: %s", peer, exc)
+            if figures is not None:
+                figures.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            with self._cond:
+                self._connections.discard(conn)
+                if figures is not None:
+                    self._figures.setdefault(figures.version, []).append(figures)
+                self._cond.notify_all()
+            conn.close()
+
+    def _choose(self, request: dict[str, Any]) -> tuple[PackedVersion | None, PackedVersion | None]:
+        """The version a host asked for (None: the current one) and the base to encode it
+        against (None: whole chunks)."""
+        want, base = request.get("want"), request.get("base")
+        with self._cond:  # the versions chosen count as read until the stream ends
+            current, previous = self._current, self._previous
+            if current is None or (want is not None and want != current.version):
+                return None, None
+            chosen = None
+            if self.delta and isinstance(base, dict) and base.get("session") == self.session:
+                for candidate in (current, previous):
+                    if candidate is not None and candidate.version == base.get("version") \
+                            and candidate.fingerprint == current.fingerprint == base.get("fingerprint"):
+                        chosen = candidate
+                        break
+            for v in (current, chosen):
+                if v is not None:
+                    self._reading[id(v)] = self._reading.get(id(v), 0) + 1
+            return current, chosen
+
+    def _stream(self, conn: socket.socket, packed: PackedVersion, base: PackedVersion | None,
+                figures: StreamFigures) -> None:
+        header = packed.header(self.session)
+        header["base"] = None if base is None else base.version
+        send_frame(conn, header)
+        count = chunk_count(packed.nbytes)
+        if base is None:
+            for index in range(count):
+                packed.wait_chunk(index, self.timeout)  # the trainer packs as hosts stream
+                self._send_chunk(conn, WHOLE, packed.chunk(index), packed.checksums[index], figures)
+            return
+        encoder = DeltaEncoder()
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-net-encode") as pool:
+            def encoded(i: int) -> tuple[int, torch.Tensor]:
+                packed.wait_chunk(i, self.timeout)
+                return encoder.encode(packed.chunk(i), base.chunk(i))
+
+            def encode(i: int) -> Future[tuple[int, torch.Tensor]]:
+                return pool.submit(encoded, i)
+            ahead = encode(0) if count else None
+            for index in range(count):
+                assert ahead is not None
+                kind, payload = ahead.result()
+                ahead = encode(index + 1) if index + 1 < count else None
+                self._send_chunk(conn, kind, payload, packed.checksums[index], figures)
+
+    @staticmethod
+    def _send_chunk(conn: socket.socket, kind: int, payload: torch.Tensor, checksum: int,
+                    figures: StreamFigures) -> None:
+        conn.sendall(CHUNK_HEADER.pack(kind, payload.numel(), checksum))
+        if payload.numel():
+            conn.sendall(tensor_view(payload))
+        figures.chunks += 1
+        figures.wire_bytes += CHUNK_HEADER.size + payload.numel()
+        if kind != WHOLE:
+            figures.delta_chunks += 1
+        logger.debug("chunk %d sent as %s (%d bytes)", figures.chunks - 1, KIND_NAMES[kind],
+                     payload.numel())
+
+
+def figures_dict(figures: StreamFigures) -> dict[str, Any]:
+    return asdict(figures)

@@ -1,0 +1,76 @@
+"""weightsync as the weight-transfer backend of a real ``vllm serve`` (CPU build), driven
+the way vLLM documents it: a plain trainer process (not a vLLM process) calls
+``WeightTransferTrainerFactory.trainer_init`` with vLLM's ``HTTPVLLMWeightSyncClient``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import vllm_model as vm
+from vllm_engine import vllm_or_skip
+from vllm_server import SRC, VLLMServer, greedy
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[VLLMServer]:
+    """One ``vllm serve`` on 127.0.0.1 for the module (it takes 20-60 s to start)."""
+    vllm_or_skip()
+    work = Path(tempfile.mkdtemp(prefix="ws-vllm-serve-", dir="/var/tmp"))
+    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"))
+    try:
+        served.start().wait_ready()
+        yield served
+    finally:
+        served.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_importing_the_backend_registers_the_trainer_engine_in_a_fresh_process():
+    """vLLM loads plugins only in its own processes: importing weightsync's backend must be
+    enough for a trainer's ``trainer_init`` to find the engine (and twice is harmless)."""
+    vllm_or_skip()
+    code = (
+        "from vllm.distributed.weight_transfer import WeightTransferTrainerFactory as F\n"
+        "import weightsync.integrations.vllm\n"
+        "assert 'weightsync' in F._registry\n"
+        "from weightsync.integrations.vllm import backend\n"
+        "from weightsync.integrations.vllm.plugin import register\n"
+        "register()\n"
+        "assert F._registry['weightsync']() is backend.WeightSyncTrainerEngine\n"
+        "print('ok')\n"
+    )
+    env = os.environ | vm.ENGINE_ENV | {"PYTHONPATH": SRC}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_trainer_drives_vllm_serve_through_a_directory(server: VLLMServer, directory: Path):
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from weightsync.integrations.vllm.backend import WeightSyncTrainerInitInfo
+
+    trainer = vm.build_model()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightSyncTrainerInitInfo(rank=0, directory=str(directory), dtype="bfloat16"),
+        client=HTTPVLLMWeightSyncClient(server.url, timeout=120), source=ModuleSource(trainer),
+    )
+    try:
+        for step in (1, 2, 3):
+            vm.perturb(trainer, step)
+            engine.send_weights()
+            assert server.weight_version() == str(step)
+            assert greedy(server) == vm.transformers_greedy(vm.rounded_copy(trainer, torch.bfloat16))
+    finally:
+        engine.shutdown()

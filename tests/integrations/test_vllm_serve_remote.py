@@ -1,0 +1,212 @@
+"""The network path to a real ``vllm serve`` on another host: the server runs in a second
+network namespace whose mount namespace has its own ``/dev/shm`` and ``/tmp`` (no file
+system shared with the trainer); the trainer, in the first namespace, drives it with vLLM's
+``HTTPVLLMWeightSyncClient`` and ``WeightSyncTrainerInitInfo(address=...)``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import vllm_model as vm
+from vllm_engine import vllm_or_skip
+from vllm_server import SRC, VLLMServer, greedy
+
+from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster, two_host_network
+from weightsync.core.errors import WeightSyncError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multihost, pytest.mark.timeout(900)]
+
+
+def _unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network and mount namespaces"
+    for tool in ("ip", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool} command"
+    return None
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[TwoHostCluster]:
+    vllm_or_skip()
+    pytest.importorskip("zstandard")
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(f"two hosts unavailable: {reason}")
+    with two_host_network() as made:
+        made.enter("a")  # the trainer (this process) lives on host A
+        yield made
+
+
+@pytest.fixture(scope="module")
+def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
+    """``vllm serve`` on host B (it boots from its own copy of the tiny Llama)."""
+    work = Path(tempfile.mkdtemp(prefix="ws-vllm-remote-", dir="/var/tmp"))
+    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"), host=ADDRESS_B,
+                        port=8000, netns=hosts.ns_b)
+    try:
+        served.start().wait_ready()
+        yield served
+    finally:
+        served.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from weightsync.integrations.vllm.backend import WeightSyncTrainerInitInfo
+
+    return WeightTransferTrainerFactory.trainer_init(
+        WeightSyncTrainerInitInfo(rank=0, address=f"{ADDRESS_A}:0", dtype="bfloat16", **info),
+        client=[HTTPVLLMWeightSyncClient(s.url, timeout=120) for s in servers]
+        if isinstance(servers, list) else HTTPVLLMWeightSyncClient(servers.url, timeout=120),
+        source=ModuleSource(trainer),
+    )
+
+
+def _bf16_greedy(trainer) -> list[list[int]]:
+    return vm.transformers_greedy(vm.rounded_copy(trainer, torch.bfloat16))
+
+
+def test_versions_reach_a_server_on_another_host(server: VLLMServer):
+    trainer = vm.build_model()
+    engine = _engine(trainer, server)
+    try:
+        nbytes = engine.stats()["last"]["wire_bytes"]
+        assert nbytes > 2 * sum(p.numel() for p in trainer.parameters())  # bf16, whole
+        for step in (1, 2, 3):
+            vm.perturb(trainer, step)
+            engine.send_weights()
+            last = engine.stats()["last"]
+            assert last["version"] == step and last["delta_chunks"] == 0
+            assert last["wire_bytes"] == nbytes
+            assert server.weight_version() == str(step)
+            assert greedy(server) == _bf16_greedy(trainer)
+    finally:
+        engine.shutdown()
+
+
+def test_deltas_after_small_adamw_steps_are_a_fraction_of_the_bytes(server: VLLMServer):
+    trainer = vm.build_model()
+    engine = _engine(trainer, server, delta=True)
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+    try:
+        whole = engine.stats()["last"]["wire_bytes"]  # a new session: the server gets it whole
+        assert engine.stats()["last"]["delta_chunks"] == 0
+        for step in (1, 2):
+            optimizer.zero_grad()
+            ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+            trainer(ids, labels=ids).loss.backward()
+            optimizer.step()
+            engine.send_weights()
+            last = engine.stats()["last"]
+            print(f"delta step {step}: {last['wire_bytes']} bytes on the wire of {whole} whole")
+            assert last["delta_chunks"] == last["chunks"] > 0
+            assert last["wire_bytes"] < 0.3 * whole
+            assert greedy(server) == _bf16_greedy(trainer)
+    finally:
+        engine.shutdown()
+
+
+def test_a_trainer_killed_mid_version_leaves_the_server_serving_its_last(
+        hosts: TwoHostCluster, server: VLLMServer):
+    import requests
+
+    env = os.environ | vm.ENGINE_ENV | {
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), SRC])}
+    script = os.path.join(os.path.dirname(__file__), "vllm_remote_trainer.py")
+    done = subprocess.run(["ip", "netns", "exec", hosts.ns_a, sys.executable, script, server.url,
+                           f"{ADDRESS_A}:0"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert done.stdout.strip() == "sent"
+    expected = vm.build_model()
+    vm.perturb(expected, 1)
+    assert server.weight_version() == "1"  # version 2 never finished
+    assert greedy(server) == _bf16_greedy(expected)
+    # the next update names the lost trainer (vLLM answers 500; its log has the cause)
+    server.post("start_weight_update")
+    reply = requests.post(f"{server.url}/update_weights", json={"update_info": {"version": 2}},
+                          timeout=120)
+    assert reply.status_code >= 400
+    assert "cannot reach the trainer" in server.log(200_000)
+    assert greedy(server) == _bf16_greedy(expected)
+
+
+@pytest.fixture(scope="module")
+def second_server(hosts: TwoHostCluster, server: VLLMServer) -> Iterator[VLLMServer]:
+    """A second ``vllm serve`` on host B (a data-parallel replica, with its own /dev/shm)."""
+    served = VLLMServer(server.model_dir, host=ADDRESS_B, port=8001, netns=hosts.ns_b)
+    try:
+        served.start().wait_ready()
+        yield served
+    finally:
+        served.stop()
+
+
+def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server: VLLMServer):
+    """A stalled server makes ``send_weights`` raise within the engine's timeout, naming
+    it, while the other server gets the version; restarted, it takes the next version whole
+    (it is initialised again) while the other gets a delta."""
+    trainer = vm.build_model()
+    engine = _engine(trainer, [server, second_server], delta=True, timeout=30.0)
+    try:
+        vm.perturb(trainer, 1)
+        engine.send_weights()
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        second_server.kill(signal.SIGSTOP)
+        vm.perturb(trainer, 2)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {second_server.url}"):
+            engine.send_weights()
+        assert time.monotonic() - started < 60
+        assert server.weight_version() == "2"
+        assert greedy(server) == _bf16_greedy(trainer)
+        second_server.kill(signal.SIGKILL)
+        second_server.stop()
+        second_server.start().wait_ready()
+        vm.perturb(trainer, 3)
+        engine.send_weights()
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        assert second_server.weight_version() == "3"
+        # the first server's update and the restarted one's init carry the version (whole: a
+        # perturbation changes every word); the restarted one's update then has nothing to do
+        sizes = sorted(s["wire_bytes"] for s in engine.stats()["last"]["hosts"])
+        assert len(sizes) == 3 and sizes[0] < 100 and sizes[1] == sizes[2], sizes
+        assert sizes[2] > 2 * sum(p.numel() for p in trainer.parameters())
+    finally:
+        engine.shutdown()
+
+
+def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server: VLLMServer):
+    """``--tensor-parallel-size 2``: the host's rank 0 fetches each version once; both ranks
+    load that staged version (one stream per update in the trainer's figures)."""
+    tp = VLLMServer(server.model_dir, host=ADDRESS_B, port=8002, netns=hosts.ns_b,
+                    extra=("--tensor-parallel-size", "2"),
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        tp.start().wait_ready()
+        trainer = vm.build_model()
+        engine = _engine(trainer, tp, delta=True)
+        try:
+            assert len(engine.stats()["last"]["hosts"]) == 1
+            for step in (1, 2):
+                vm.perturb(trainer, step)
+                engine.send_weights()
+                assert len(engine.stats()["last"]["hosts"]) == 1  # one receive for two ranks
+                assert greedy(tp) == _bf16_greedy(trainer)
+        finally:
+            engine.shutdown()
+    finally:
+        tp.stop()

@@ -1,0 +1,161 @@
+"""The network transport over loopback TCP: a version streamed whole, then as deltas
+against the version the host holds; every chunk verified; only hosts that prove the
+token are served; a trainer gone mid-version is a named error and leaves the base as is."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
+from weightsync.transports.local.auth import HandshakeError
+from weightsync.transports.net.fetch import VersionFetcher
+from weightsync.transports.net.packed import pack
+from weightsync.transports.net.publisher import VersionPublisher
+from weightsync.transports.net.wire import CHUNK_BYTES
+
+pytest.importorskip("zstandard")
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(3 * CHUNK_BYTES // 4 + 123, generator=gen),  # 2 chunks in bf16
+            "small": torch.randn(7, 5, generator=gen), "steps": torch.arange(4)}
+
+
+def _step(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: v.clone() for k, v in weights.items()}
+    out["big"][:1000] += 1.0  # one chunk changes
+    return out
+
+
+@pytest.fixture
+def publisher():
+    pub = VersionPublisher("127.0.0.1:0", "secret-token", timeout=10, delta=True)
+    yield pub
+    pub.close()
+
+
+def _equal(packed, weights, dtype=torch.bfloat16) -> None:
+    got = packed.tensors()
+    for name, tensor in weights.items():
+        want = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        assert torch.equal(got[name], want), name
+
+
+def test_whole_then_delta_versions_arrive_exact(publisher: VersionPublisher):
+    fetcher = VersionFetcher("host-b")
+    w0 = _weights()
+    publisher.publish(pack(w0, 0, torch.bfloat16))
+    _equal(fetcher.fetch(publisher.address, "secret-token", None, 10), w0)
+    assert fetcher.last_kinds == {"whole": 2}
+    first = publisher.wait_streams(0, 1, 5)[0]
+    assert first.error is None and first.delta_chunks == 0 and first.wire_bytes > CHUNK_BYTES
+    w1 = _step(w0)
+    publisher.publish(pack(w1, 1, torch.bfloat16))
+    _equal(fetcher.fetch(publisher.address, "secret-token", 1, 10), w1)
+    figures = publisher.wait_streams(1, 1, 5)[0]
+    assert figures.delta_chunks == 2 and figures.wire_bytes < 20_000, figures
+    assert fetcher.last_kinds.get("whole", 0) == 0
+    with pytest.raises(WeightSyncError, match="has no version 7"):
+        fetcher.fetch(publisher.address, "secret-token", 7, 10)
+
+
+def test_a_host_without_the_base_gets_whole_chunks(publisher: VersionPublisher):
+    publisher.publish(pack(_weights(), 0, torch.bfloat16))
+    publisher.publish(pack(_step(_weights()), 1, torch.bfloat16))
+    fresh = VersionFetcher("restarted")
+    _equal(fresh.fetch(publisher.address, "secret-token", 1, 10), _step(_weights()))
+    assert fresh.last_kinds == {"whole": 2}
+
+
+def test_a_wrong_token_is_refused_both_ways(publisher: VersionPublisher):
+    publisher.publish(pack(_weights(), 0))
+    with pytest.raises(SenderLostError, match="wrong token|closed"):
+        VersionFetcher("intruder").fetch(publisher.address, "guess", None, 10)
+    assert publisher.figures(0) == []  # nothing streamed
+    # an impostor at the trainer's address cannot prove the token either
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        address = f"127.0.0.1:{fake.getsockname()[1]}"
+
+        def impostor() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                from weightsync.transports.net.handshake import accept_peer
+
+                with pytest.raises(HandshakeError):
+                    accept_peer(conn, "another-token")
+
+        thread = threading.Thread(target=impostor)
+        thread.start()
+        with pytest.raises(SenderLostError):
+            VersionFetcher("victim").fetch(address, "secret-token", None, 10)
+        thread.join(10)
+
+
+def test_a_corrupted_chunk_is_refused_and_the_base_kept(publisher: VersionPublisher):
+    fetcher = VersionFetcher("host-b")
+    publisher.publish(pack(_weights(), 0, torch.bfloat16))
+    fetcher.fetch(publisher.address, "secret-token", None, 10)
+    bad = pack(_step(_weights()), 1, torch.bfloat16)
+    bad.checksums[1] ^= 1
+    publisher.publish(bad)
+    with pytest.raises(IntegrityError, match="chunk 1 of version 1"):
+        fetcher.fetch(publisher.address, "secret-token", 1, 10)
+    assert fetcher.base is not None and fetcher.base.version == 0
+    assert "checksum" in (publisher.wait_streams(1, 1, 5)[0].error or "")
+
+
+def test_a_trainer_gone_mid_version_is_a_named_error():
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        address = f"127.0.0.1:{fake.getsockname()[1]}"
+    pub = VersionPublisher(address, "t", timeout=10, delta=False)
+    pub.publish(pack({"x": torch.randn(CHUNK_BYTES)}, 0))
+    original = pub._send_chunk
+
+    def dies(conn, *args):  # the trainer's process ends after one chunk
+        original(conn, *args)
+        conn.shutdown(socket.SHUT_RDWR)
+        raise ConnectionError("gone")
+
+    pub._send_chunk = dies  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SenderLostError, match="broke during version"):
+            VersionFetcher("host-b").fetch(address, "t", None, 10)
+    finally:
+        pub.close()
+    with pytest.raises(SenderLostError, match="cannot reach the trainer"):
+        VersionFetcher("host-b").fetch(address, "t", None, 2)
+
+
+def test_a_version_streams_while_the_trainer_packs_it(publisher: VersionPublisher):
+    """Published before it is packed, a version streams chunk by chunk as ``fill`` releases
+    them; a retired version's buffer is reused once no stream reads it."""
+    import time
+
+    from weightsync.transports.net.packed import plan
+
+    weights = _weights()
+    packed = plan(weights, 0, torch.bfloat16)
+    publisher.publish(packed)
+    got: dict[str, object] = {}
+    fetcher = VersionFetcher("host-b")
+    thread = threading.Thread(target=lambda: got.update(
+        v=fetcher.fetch(publisher.address, "secret-token", None, 10)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # waiting for the first chunk
+    packed.fill(weights)
+    thread.join(10)
+    _equal(got["v"], weights)
+    for version in (1, 2, 3):
+        nbytes = packed.nbytes
+        spare = publisher.spare_buffer(nbytes)
+        publisher.publish(nxt := plan(weights, version, torch.bfloat16, spare))
+        nxt.fill(weights)
+        fetcher.fetch(publisher.address, "secret-token", version, 10)
+        if version == 3:  # version 0 retired when 2 was published: its buffer came back
+            assert spare is not None and spare.data_ptr() == packed.buffer.data_ptr()
