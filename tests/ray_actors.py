@@ -53,28 +53,28 @@ class Collector(RayWeightReceiverMixin):
 
     def corrupt_wire(self, on):
         """Flip one byte of every bucket this actor receives from now on (or stop)."""
-        from weightsync.transports.ray.transport import RayTransport
+        from weightsync.transports.ray.link import ActorLink
 
         def flip(buffers):
             for buffer in buffers:
                 flat = buffer.view(torch.uint8).reshape(-1)
                 flat[flat.numel() // 2] ^= 0x10
 
-        RayTransport.wire_hook = flip if on else None
+        ActorLink.wire_hook = flip if on else None
 
     def damage_wire(self, kind):
         """Damage every bucket chunk this actor receives from now on as ``kind`` of
         ``slot_damage`` does (a swap or compensating pair a word sum misses); None: stop."""
         from slot_damage import NEEDS, damage_tensor
 
-        from weightsync.transports.ray.transport import RayTransport
+        from weightsync.transports.ray.link import ActorLink
 
         def damage(buffers):
             for buffer in buffers:
                 if buffer.numel() * buffer.element_size() >= NEEDS:
                     damage_tensor(buffer, kind)
 
-        RayTransport.wire_hook = damage if kind else None
+        ActorLink.wire_hook = damage if kind else None
 
     def poll_error(self):
         try:

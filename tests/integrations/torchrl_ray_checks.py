@@ -78,11 +78,11 @@ def actors_dead(ray: Any, actors: list[Any], timeout: float = 30.0) -> bool:
 def corrupt_wire(actor: Any, on: bool) -> None:
     """Inside a Ray actor (``actor.__ray_call__``): flip one byte of every bucket this
     process receives through the broadcast from now on (or stop)."""
-    from weightsync.transports.ray.transport import RayTransport
+    from weightsync.transports.ray.link import ActorLink
 
     def flip(buffers: list[torch.Tensor]) -> None:
         for buffer in buffers:
             flat = buffer.view(torch.uint8).reshape(-1)
             flat[flat.numel() // 2] ^= 0x10
 
-    RayTransport.wire_hook = flip if on else None
+    ActorLink.wire_hook = flip if on else None

@@ -260,7 +260,7 @@ def test_trainer_in_an_actor(actors, ray_cluster):
 
 
 def test_node_local_probe_needs_its_node_its_process_and_its_token(ray_cluster):
-    from weightsync.transports.ray.transport import NodeLocalSender, probe_node_local
+    from weightsync.transports.ray.node_local import NodeLocalSender, probe_node_local
 
     local = NodeLocalSender(max_slots=2)
     try:
@@ -280,6 +280,21 @@ def test_seed_ray_transport_contract():
     with pytest.raises(ValueError, match="backend"):
         ws.RayTransport(backend="mpi")
     assert isinstance(transport, ws.TransportBackend)
+
+
+def test_ray_transport_names_what_to_use_instead():
+    """The seed's per-actor class sends and receives nothing itself: each such call says
+    which of the scheme's ends does it."""
+    transport = ws.RayTransport(worker_idx=3, backend="gloo", model_id="policy")
+    transport.set_model(torch.nn.Linear(2, 2))
+    transport.setup_connection_and_weights_on_sender()  # nothing per actor
+    for call in (lambda: transport.send_weights({}), lambda: transport.send_weights_async({})):
+        with pytest.raises(RuntimeError, match=r"worker 3: .*sender\.send"):
+            call()
+    with pytest.raises(RuntimeError, match="RayWeightReceiverMixin"):
+        transport.receive_weights(timeout=1)
+    with pytest.raises(RuntimeError, match="worker 5: .*create_receiver"):
+        transport.setup_connection_and_weights_on_receiver(worker_idx=5)
 
 
 def test_demo_over_ray(ray_cluster):

@@ -351,22 +351,24 @@ def test_a_shared_memory_sender_makes_its_process_non_dumpable() -> None:
 
 # ------------------------------------------------------------------ Ray node-local path
 def _raw_ticket_request(address: str, ticket: str) -> tuple[bytes, int]:
-    """Ask the fd server for a ticket's fds, with no check of who answers."""
-    import socket
+    """Ask the fd server for a ticket's fds in its own framing, with no check of who
+    answers; (the answer's header, the number of fds passed)."""
+    from weightsync.transports.local.address import connect_channel
 
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5)
     try:
-        sock.connect(address)
-        sock.sendall(json.dumps({"ticket": ticket}).encode() + b"\n")
-        data, fds, _, _ = socket.recv_fds(sock, 1024, 4)
-    except (ConnectionResetError, BrokenPipeError):  # closed unread: refused
+        channel = connect_channel(address, 5)
+    except OSError:
+        return b"", 0
+    try:
+        channel.send({"ticket": ticket}, timeout=5)
+        message = channel.recv(5)
+    except OSError:  # closed unread: refused
         return b"", 0
     finally:
-        sock.close()
-    for fd in fds:
+        channel.close()
+    for fd in message.fds:
         os.close(fd)
-    return data, len(fds)
+    return json.dumps(message.header).encode(), len(message.fds)
 
 
 def _request_ticket(address: str, pid: int, ticket: str) -> str:

@@ -18,7 +18,7 @@ def _ray_bench_actor_class() -> Any:
     import ray
 
     from weightsync.integrations.ray import RayWeightReceiverMixin
-    from weightsync.transports.ray.transport import GroupInfo, WeightGroup
+    from weightsync.transports.ray.group import GroupInfo, WeightGroup
 
     @ray.remote(num_cpus=0)
     class BenchActor(RayWeightReceiverMixin):
@@ -47,7 +47,7 @@ def p2p_seconds(actor: Any, store: Any, address: str, generation: int,
     bench actor with ``p2p_recv``) through ``store``: the floor a Ray send is held against."""
     import ray
 
-    from weightsync.transports.ray.transport import GroupInfo, WeightGroup
+    from weightsync.transports.ray.group import GroupInfo, WeightGroup
 
     info = GroupInfo(address, int(store.port), 2, generation, "gloo", {0: 1}, 120.0)
     ref = actor.p2p_recv.remote(info.__dict__)
@@ -70,7 +70,7 @@ def bench_ray(
     import torch.distributed as dist
 
     from weightsync.schemes.ray import RayWeightSyncScheme
-    from weightsync.transports.ray.transport import node_address
+    from weightsync.transports.ray.group import node_address
 
     actor_cls = _ray_bench_actor_class()
     scheme = RayWeightSyncScheme(num_workers=workers, timeout=300, node_local=node_local)

@@ -280,7 +280,7 @@ class RayWeightReceiver(WeightReceiver):
     def __init__(self, scheme: RayWeightSyncScheme, worker_idx: int) -> None:
         c = scheme.config
         reader = RayReader(worker_idx, num_workers=c.num_workers, backend=c.backend,
-                           rendezvous_name=c.connection_info_name, secret=c.secret,
+                           rendezvous_name=c.connection_info_name,
                            timeout=scheme.peer_timeout, rendezvous_namespace=c.namespace)
         super().__init__(scheme, worker_idx, reader)
         self.scheme: RayWeightSyncScheme = scheme

@@ -42,6 +42,7 @@ from weightsync.transports.delta.codec import (
     header_problem,
 )
 from weightsync.transports.delta.errors import MalformedDeltaError
+from weightsync.transports.ray.delivery import DeltaStream
 from weightsync.transports.ray.group import (
     FillChunk,
     WeightGroup,
@@ -220,15 +221,15 @@ class DeltaReceiver:
         self._scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._decoder = DeltaDecoder()
 
-    def receive(self, group: WeightGroup, buffers: Buffers, plan: Mapping[str, Any],
+    def receive(self, group: WeightGroup, buffers: Buffers, plan: DeltaStream,
                 version: int, timeout: float | None, hook: ChunkHook | None = None) -> None:
-        """Take the stream of ``version`` (``plan``: its ``id`` and the ``base`` id it is
-        encoded against) into ``buffers``, verify every chunk, and make it the base;
+        """Take the stream of ``version`` (``plan``: its snapshot ``id`` and the ``base`` id
+        it is encoded against) into ``buffers``, verify every chunk, and make it the base;
         IntegrityError naming the chunks that do not match (the base is kept)."""
         pg = live_pg(group)
         self._settle()
         pieces = _chunks(bucket_buffers(self.layout, buffers))
-        usable = plan.get("base") is not None and plan.get("base") == self.base_id
+        usable = plan.base is not None and plan.base == self.base_id
         bases = (_chunks(bucket_buffers(self.layout, self.base))
                  if usable and self.base is not None else None)
         headers = torch.zeros(len(pieces), 3, dtype=torch.int64)
@@ -261,7 +262,7 @@ class DeltaReceiver:
                 f"rebuilt from {'deltas' if usable else 'whole chunks'} does not match the "
                 f"sender: {len(bad)} chunk(s) of {len(pieces)} refused (first: chunk {first}, "
                 f"{why}); no worker takes it, and this node gets it whole")
-        self._remember(buffers, str(plan["id"]))
+        self._remember(buffers, str(plan.id))
 
     def _post_payload(self, pg: Any, index: int, header: torch.Tensor, piece: torch.Tensor,
                       has_base: bool, bad: list[tuple[int, str]]

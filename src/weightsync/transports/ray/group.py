@@ -19,7 +19,6 @@ import datetime
 import hashlib
 import hmac
 import logging
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,12 +59,6 @@ class GroupInfo:
             raise KeyError(f"worker {worker_idx} is not a member of group generation "
                            f"{self.generation} (members: {sorted(self.ranks)})")
         return self.ranks[worker_idx]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def node_address() -> str:

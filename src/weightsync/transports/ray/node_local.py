@@ -4,7 +4,8 @@ of the sender's shared memory instead of taking it over the network.
 The sender writes each version once into a :class:`SharedMemTransport` slot; each
 co-located actor maps those segments and copies its version out at ``poll()``, the way
 NCCL and Ray's object store use shared memory within a node. The segments' fds reach an
-actor over the sender's *fd server*, an abstract Unix socket (``SCM_RIGHTS``): each Ray
+actor over the sender's *fd server*, a ``local`` channel listener at an abstract Unix
+address (framed messages, fds passed with ``SCM_RIGHTS``): each Ray
 call that names new segments carries, for one actor only, a one-time random ticket that
 the server redeems for exactly those fds, to a process of the sender's user
 (``SO_PEERCRED``). The sender's process is not dumpable (``dumpable``), so no other
@@ -16,13 +17,9 @@ and the probe checks that the server answering is the sender's process and knows
 from __future__ import annotations
 
 import contextlib
-import hmac
-import json
 import logging
 import os
 import secrets
-import select
-import socket
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,9 +30,10 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
-from weightsync.transports.local.address import new_address
-from weightsync.transports.local.auth import peer_credentials
-from weightsync.transports.local.channel import Message
+from weightsync.transports.local.address import ChannelListener, connect_channel, new_address
+from weightsync.transports.local.auth import peer_credentials, proofs_match
+from weightsync.transports.local.channel import Channel, Message
+from weightsync.transports.local.hub import close_passed_fds
 from weightsync.transports.memory.dumpable import protect_sender_process
 from weightsync.transports.ray.group import current_node_id
 from weightsync.transports.shm.transport import DEFAULT_MODEL_ID, SharedMemTransport
@@ -43,7 +41,6 @@ from weightsync.transports.shm.transport import DEFAULT_MODEL_ID, SharedMemTrans
 logger = logging.getLogger(__name__)
 
 _TOKEN_BYTES = 16
-_REQUEST_MAX = 1024  # a request is one small JSON line
 _MAX_FDS = 16  # a segment message carries a few fds (control block and ack: 2)
 _IO_TIMEOUT_S = 5.0
 
@@ -62,30 +59,27 @@ class NodeLocalInfo:
 
 def _request(address: str, pid: int, request: dict[str, Any],
              max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """One request to a sender's fd server; its answer and the fds it passed. Refuses a
-    server that is not process ``pid`` of this user."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    fds: list[int] = []
+    """One request to a sender's fd server; its answer and the fds it passed (at most
+    ``max_fds``). Refuses a server that is not process ``pid`` of this user."""
+    channel = connect_channel(address, 0.0)  # no retry: a server that is not up is not there
+    message: Message | None = None
     try:
-        sock.settimeout(_IO_TIMEOUT_S)
-        sock.connect(address)
-        peer = peer_credentials(sock)
+        peer = peer_credentials(channel.socket)
         if peer.pid != pid or peer.uid != os.getuid():
             raise PermissionError(f"the fd server at the sender's address is process {peer.pid} "
                                   f"of uid {peer.uid}, not the sender {pid}")
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        data, fds, _flags, _addr = socket.recv_fds(sock, _REQUEST_MAX, max(max_fds, 1))
-        answer = json.loads(data.decode() or "{}")
-        if not isinstance(answer, dict):
-            raise ValueError("malformed answer")
-        return answer, fds
+        channel.send(request, timeout=_IO_TIMEOUT_S)
+        message = channel.recv(_IO_TIMEOUT_S, max_payload=0)
+        if len(message.fds) > max_fds:
+            raise ValueError(f"the sender's fd server passed {len(message.fds)} fds, "
+                             f"{max_fds} were asked for")
+        return message.header, message.fds
     except BaseException:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if message is not None:
+            close_passed_fds(message)
         raise
     finally:
-        sock.close()
+        channel.close()
 
 
 def probe_node_local(info: NodeLocalInfo) -> bool:
@@ -102,15 +96,14 @@ def probe_node_local(info: NodeLocalInfo) -> bool:
 
 class _FdServer:
     """Hands the sender's segment fds to actors that hold a ticket (one-time, random, one
-    actor's); a probe with the token gets a yes. Serves one short request at a time on a
-    daemon thread; only processes of this user get an answer."""
+    actor's); a probe with the token gets a yes. A ``ChannelListener`` at a fresh abstract
+    address, served one short request at a time on a daemon thread; only processes of
+    this user get an answer."""
 
     def __init__(self, token: str) -> None:
         self.token = token
-        self.address = new_address()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._sock.bind(self.address)
-        self._sock.listen(16)
+        self._listener = ChannelListener(new_address())
+        self.address = self._listener.address
         self._lock = threading.Lock()
         self._tickets: dict[str, tuple[int, list[int]]] = {}  # ticket -> (worker, dup fds)
         self._closed = threading.Event()
@@ -142,51 +135,42 @@ class _FdServer:
     def _serve(self) -> None:
         while not self._closed.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.2)
-                if not ready:
-                    continue
-                conn, _ = self._sock.accept()
+                channel = self._listener.accept(timeout=0.2)
             except (OSError, ValueError):
                 return  # closed
-            with conn:
-                try:
-                    self._answer(conn)
-                except (OSError, ValueError, UnicodeDecodeError) as exc:
-                    logger.debug("fd server: a request failed (%s)", exc)
+            if channel is None:
+                continue
+            try:
+                self._answer(channel)
+            except (OSError, ValueError) as exc:
+                logger.debug("fd server: a request failed (%s)", exc)
+            finally:
+                channel.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(_IO_TIMEOUT_S)
-        if peer_credentials(conn).uid != os.getuid():
+    def _answer(self, channel: Channel) -> None:
+        if peer_credentials(channel.socket).uid != os.getuid():
             return  # another user: closed before a byte is read
-        data = b""
-        while not data.endswith(b"\n") and len(data) < _REQUEST_MAX:
-            chunk = conn.recv(_REQUEST_MAX - len(data))
-            if not chunk:
-                return
-            data += chunk
-        request = json.loads(data.decode())
-        if not isinstance(request, dict):
-            return
-        probe, ticket = request.get("probe"), request.get("ticket")
-        if isinstance(probe, str):
-            ok = hmac.compare_digest(probe.encode(), self.token.encode())
-            conn.sendall(json.dumps({"ok": ok}).encode())
+        request = channel.recv(_IO_TIMEOUT_S, max_payload=0)
+        close_passed_fds(request)  # a client passes none: never keep one
+        probe, ticket = request.header.get("probe"), request.header.get("ticket")
+        if probe is not None:
+            channel.send({"ok": proofs_match(self.token, probe)}, timeout=_IO_TIMEOUT_S)
             return
         if not isinstance(ticket, str):
             return
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None:
-            conn.sendall(b'{"ok": false}')
+            channel.send({"ok": False}, timeout=_IO_TIMEOUT_S)
             return
         try:
-            socket.send_fds(conn, [b'{"ok": true}'], entry[1])
+            channel.send({"ok": True}, fds=entry[1], timeout=_IO_TIMEOUT_S)
         finally:
             _close_all(entry[1])
 
     def close(self) -> None:
         self._closed.set()
-        self._sock.close()
+        self._listener.close()
         self._thread.join(timeout=2.0)
         with self._lock:
             for _, copies in self._tickets.values():

@@ -10,7 +10,8 @@ trainer's node do from the trainer's. ``apply_newest`` (the worker's
 ``poll()``) verifies and applies the newest one whole. With nothing new, ``check_sender``
 raises a delivery that failed, or :class:`SenderLostError` once the sender's rendezvous
 actor is gone or silent. With ``delta=True`` the node's actor in the group takes its own
-stream (``delivery["stream"]``, see ``delta_stream``), verified chunk by chunk in ``take``.
+stream (a ``DeltaStream`` delivery, see ``delta_stream``), verified chunk by chunk in
+``take``. ``link`` holds the actor's group membership and node-local mapping.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -27,12 +29,13 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
 from weightsync.core.layout import Layout
 from weightsync.core.staging import Buffers, StagingBuffers
+from weightsync.transports.ray.delivery import Broadcast, Delivery, DeltaStream, ShardedPieces
 from weightsync.transports.ray.delta_stream import DeltaReceiver
 from weightsync.transports.ray.group import GroupInfo
+from weightsync.transports.ray.link import ActorLink
 from weightsync.transports.ray.node_local import NodeLocalInfo, NodeLocalSender
 from weightsync.transports.ray.shard_stream import StreamFailed, receive_pieces
 from weightsync.transports.ray.staging import checked_staging
-from weightsync.transports.ray.transport import RayTransport
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class RayReader:
     views_model: bool = False
 
     def __init__(self, worker_idx: int, *, num_workers: int, backend: str,
-                 rendezvous_name: str, secret: str, timeout: float,
+                 rendezvous_name: str, timeout: float,
                  rendezvous_namespace: str | None = None) -> None:
         self.worker_idx = worker_idx
         self.num_workers = num_workers
@@ -57,8 +60,7 @@ class RayReader:
         #: separate Ray jobs); None: this actor's job namespace, as the trainer's
         self.rendezvous_namespace = rendezvous_namespace
         self._timeout = timeout
-        self.transport = RayTransport(worker_idx=worker_idx, backend=backend,
-                                      connection_info_name=rendezvous_name, secret=secret)
+        self.link = ActorLink(worker_idx, backend)  # each join's group info holds the token
         self._staging: StagingBuffers | None = None
         self._arrived = threading.Condition()
         self._failure: WeightSyncError | None = None  # a delivery that failed, for poll()
@@ -75,9 +77,9 @@ class RayReader:
         """``"node-local"`` (the sender's shared memory), ``"relayed"`` (the shared memory
         of the actor on this node that took the broadcast), ``"broadcast"`` (the group), or
         None before the sender's first send."""
-        if self.transport.local is not None:
+        if self.link.local is not None:
             return "relayed" if self._relayed else "node-local"
-        return "broadcast" if self.transport.group is not None else None
+        return "broadcast" if self.link.group is not None else None
 
     # -------------------------------------------------- driven by the sender
     def attach_local(self, info: dict[str, Any]) -> bool:
@@ -86,8 +88,8 @@ class RayReader:
         info = dict(info)
         relay = bool(info.pop("relay", False))
         if relay:
-            self.transport.detach_local()  # the relay gives every segment anew each build
-        attached = self.transport.attach_local(NodeLocalInfo(**info))
+            self.link.detach_local()  # the relay gives every segment anew each build
+        attached = self.link.attach_local(NodeLocalInfo(**info))
         self._relayed = relay and attached
         return attached
 
@@ -120,59 +122,52 @@ class RayReader:
             self._rendezvous = ray.get_actor(self.rendezvous_name,
                                              namespace=self.rendezvous_namespace)
         if self.worker_idx in group.ranks:
-            self.transport.detach_local()  # a member of the broadcast this generation
-        self.transport.join(group, Layout.from_dict(layout))
-        assert self.transport.layout is not None
-        if self.transport.local is not None:
+            self.link.detach_local()  # a member of the broadcast this generation
+        self.link.join(group, Layout.from_dict(layout))
+        assert self.link.layout is not None
+        if self.link.local is not None:
             self._staging = None  # poll() copies straight out of the sender's slots
-        elif self._staging is None or self._staging.layout != self.transport.layout:
-            self._staging = checked_staging(self.transport.layout, self.worker_idx)
+        elif self._staging is None or self._staging.layout != self.link.layout:
+            self._staging = checked_staging(self.link.layout, self.worker_idx)
             self._delta = None  # a new layout: no base
 
     def take(self, version: int, keep: bool, messages: list[dict[str, Any]] | None,
-             delivery: dict[str, Any] | None, held: int) -> dict[str, Any]:
+             delivery: Mapping[str, Any] | None, held: int) -> dict[str, Any]:
         """Take part in the delivery of ``version``: on the sender's (or relay's) node, open
         any new segments it names (the version already waits in shared memory); else take
-        the broadcast within ``delivery["timeout_s"]`` and stage it, with the sender's
-        checksums, if ``keep``. A relay also writes it for ``delivery["relay"]`` and returns
-        ``{"relayed": whether it did, "messages": {follower: segment messages}}`` (else
-        ``{}``). A failure is raised here (to the sender) and by the next poll()."""
-        if not self.transport.joined:
+        it by the path ``delivery`` names (see ``delivery``) within its ``timeout_s`` and
+        stage it, with the sender's checksums, if ``keep``. A relay also writes it for its
+        followers and returns ``{"relayed": whether it did, "messages": {follower: segment
+        messages}}`` (else ``{}``). A failure is raised here (to the sender) and by the
+        next poll()."""
+        link = self.link
+        if not link.joined:
             raise RuntimeError(f"worker {self.worker_idx} has not joined the group")
-        delivery = delivery or {}
-        local = self.transport.local
-        stream = delivery.get("stream")
-        if local is not None:
-            local.take_messages(messages or [])
-        elif delivery.get("sharded") is not None:
-            lost = self._take_sharded(version, keep, delivery, held)
-            if lost is not None:
-                return self._answer() | lost
-        elif stream is not None:
-            refused = self._take_stream(version, keep, stream, delivery, held)
-            if refused is not None:
-                return self._answer() | {"refused": refused}
+        refused: dict[str, Any] | None = None
+        if link.local is not None:
+            link.local.take_messages(messages or [])
         else:
-            transport, staging = self.transport, self._staging
-            assert staging is not None and transport.group is not None
-            generation = delivery.get("generation")
-            if generation is not None and generation != transport.group.info.generation:
+            if delivery is None:
+                raise WeightSyncError(
+                    f"worker {self.worker_idx}: version {version} came with no delivery, and "
+                    "this actor maps no shared memory of its node to copy it from")
+            typed = Delivery.from_wire(delivery, worker_idx=self.worker_idx, version=version)
+            group, staging = link.group, self._staging
+            assert group is not None and staging is not None
+            if typed.generation != group.info.generation:
                 raise WeightSyncError(  # queued while this actor was stopped: long gone
                     f"worker {self.worker_idx}: version {version} was sent to group generation "
-                    f"{generation}, this actor is in {transport.group.info.generation}")
-            timeout, checked = delivery.get("timeout_s"), bool(delivery.get("checked"))
-            relay, followers = self._relay, delivery.get("relay")
+                    f"{typed.generation}, this actor is in {group.info.generation}")
             self._relayed_now = False
-
-            def write(buffers: Buffers) -> list[int] | None:
-                if relay is None or not followers:  # verified at poll(), if ever
-                    return transport.receive_unverified(buffers, timeout, checked)
-                return self._relay_version(relay, buffers, followers, version, timeout, checked)
-
-            try:
-                staging.fill(version, write, keep)
-            except RuntimeError as exc:
-                raise self._did_not_arrive(version, held, exc, keep) from exc
+            plan = typed.plan
+            if isinstance(plan, Broadcast):
+                self._take_broadcast(version, keep, plan, typed, staging, held)
+            elif isinstance(plan, DeltaStream):
+                refused = self._take_stream(version, keep, plan, typed, staging, held)
+            else:
+                refused = self._take_sharded(version, keep, plan, typed, staging, held)
+        if refused is not None:
+            return self._answer() | refused
         if keep:
             self._failure = None
         with self._arrived:
@@ -189,74 +184,87 @@ class RayReader:
         return answer | {"relayed": self._relayed_now,
                          "messages": {w: relay.messages_for(w) for w in relay.workers}}
 
-    def _take_stream(self, version: int, keep: bool, stream: dict[str, Any],
-                     delivery: dict[str, Any], held: int) -> str | None:
-        """Delta: take this node's stream of ``version``, verified, into staging (and relay
-        it); returns why it was refused (the sender then streams it whole) or None."""
-        transport, staging, group = self.transport, self._staging, self.transport.group
-        assert staging is not None and group is not None and transport.layout is not None
-        if self._delta is None:
-            self._delta = DeltaReceiver(transport.layout, self.worker_idx)
-        self._relayed_now = False
-        if stream.get("skip"):
+    def _publish_to_followers(self, buffers: Buffers, delivery: Delivery, version: int) -> None:
+        """A relay: write the version, verified, once into its shared memory for the
+        followers that keep it."""
+        layout = self.link.layout
+        assert self._relay is not None and layout is not None
+        self._relay.publish(layout.named_views(buffers), delivery.relay, version,
+                            delivery.timeout_s)
+        self._relayed_now = True
+
+    def _take_broadcast(self, version: int, keep: bool, plan: Broadcast, delivery: Delivery,
+                        staging: StagingBuffers, held: int) -> None:
+        """The whole version from the group's broadcast, with its checksums to verify at
+        poll(); a relay verifies it first, then writes it for its followers."""
+        link, timeout, checked = self.link, delivery.timeout_s, plan.checked
+        relaying = self._relay is not None and bool(delivery.relay)
+
+        def write(buffers: Buffers) -> list[int] | None:
+            if not relaying:  # verified at poll(), if ever
+                return link.receive_unverified(buffers, timeout, checked)
+            sums, intact = link.receive_verified(buffers, timeout, checked)
+            if not intact:
+                logger.warning("worker %d: version %d arrived corrupted; not relayed to %s",
+                               self.worker_idx, version, list(delivery.relay))
+                return sums  # poll() raises IntegrityError; the followers keep theirs
+            self._publish_to_followers(buffers, delivery, version)
             return None
-        generation = delivery.get("generation")
-        if generation is not None and generation != group.info.generation:
-            raise WeightSyncError(
-                f"worker {self.worker_idx}: version {version} was sent to group generation "
-                f"{generation}, this actor is in {group.info.generation}")
-        timeout, followers, decoder = delivery.get("timeout_s"), delivery.get("relay"), self._delta
+
+        try:
+            staging.fill(version, write, keep)
+        except RuntimeError as exc:
+            raise self._did_not_arrive(version, held, exc, keep) from exc
+
+    def _take_stream(self, version: int, keep: bool, plan: DeltaStream, delivery: Delivery,
+                     staging: StagingBuffers, held: int) -> dict[str, Any] | None:
+        """Delta: take this node's stream of ``version``, verified, into staging (and relay
+        it); returns ``{"refused": why}`` (the sender then streams it whole) or None."""
+        link, group = self.link, self.link.group
+        assert group is not None and link.layout is not None
+        if self._delta is None:
+            self._delta = DeltaReceiver(link.layout, self.worker_idx)
+        if plan.skip:
+            return None
+        decoder = self._delta
 
         def write(buffers: Buffers) -> None:
-            decoder.receive(group, buffers, stream, version, timeout,
-                            RayTransport.wire_hook)
-            if self._relay is not None and followers:
-                layout = transport.layout
-                assert layout is not None
-                self._relay.publish(layout.named_views(buffers), followers, version, timeout)
-                self._relayed_now = True
+            decoder.receive(group, buffers, plan, version, delivery.timeout_s,
+                            ActorLink.wire_hook)
+            if self._relay is not None and delivery.relay:
+                self._publish_to_followers(buffers, delivery, version)
 
         try:
             staging.fill(version, write, keep)
         except IntegrityError as exc:
             logger.warning("%s", exc)
-            if stream.get("base") is None:  # whole chunks failed too: nothing is applied,
+            if plan.base is None:  # whole chunks failed too: nothing is applied,
                 if keep:  # the sender raises it, and so does the next poll()
                     self._failure = exc
                 raise
-            return str(exc)
+            return {"refused": str(exc)}
         except RuntimeError as exc:
             raise self._did_not_arrive(version, held, exc, keep) from exc
         return None
 
-    def _take_sharded(self, version: int, keep: bool, delivery: dict[str, Any],
-                      held: int) -> dict[str, Any] | None:
+    def _take_sharded(self, version: int, keep: bool, plan: ShardedPieces, delivery: Delivery,
+                      staging: StagingBuffers, held: int) -> dict[str, Any] | None:
         """A sharded trainer: take every trainer rank's stream of ``version``, each chunk
         verified before it is written into staging (and relay it once whole); returns
         ``{"refused": why, "lost_ranks": [...]}`` if some rank's stream broke (nothing
         staged: the version is not taken), else None."""
-        transport, staging, group = self.transport, self._staging, self.transport.group
-        assert staging is not None and group is not None and transport.layout is not None
-        layout = transport.layout
-        generation = delivery.get("generation")
-        if generation is not None and generation != group.info.generation:
-            raise WeightSyncError(
-                f"worker {self.worker_idx}: version {version} was sent to group generation "
-                f"{generation}, this actor is in {group.info.generation}")
-        timeout, followers = delivery.get("timeout_s"), delivery.get("relay")
-        sharded = delivery["sharded"]
-        regions = {int(r): regs for r, regs in sharded["regions"].items()}
-        wire_hook = RayTransport.wire_hook
+        link, group = self.link, self.link.group
+        assert group is not None and link.layout is not None
+        layout = link.layout
+        wire_hook = ActorLink.wire_hook
         hook = None if wire_hook is None else (lambda payload: wire_hook([payload]))
-        self._relayed_now = False
 
         def write(buffers: Buffers) -> None:
             views = layout.named_views(buffers)
-            receive_pieces(group, layout, views, regions, version, timeout, hook,
-                           int(sharded["chunk_bytes"]))
-            if self._relay is not None and followers:
-                self._relay.publish(views, followers, version, timeout)
-                self._relayed_now = True
+            receive_pieces(group, layout, views, plan.regions, version, delivery.timeout_s,
+                           hook, plan.chunk_bytes)
+            if self._relay is not None and delivery.relay:
+                self._publish_to_followers(buffers, delivery, version)
 
         try:
             staging.fill(version, write, keep)
@@ -283,23 +291,6 @@ class RayReader:
             self._failure = failure
         return failure
 
-    def _relay_version(self, relay: NodeLocalSender, buffers: Buffers, followers: list[int],
-                       version: int, timeout: float | None, checked: bool) -> list[int] | None:
-        """Take the broadcast, verified chunk by chunk as it arrives, then write it once
-        into the relay's shared memory for ``followers``; returns what is left to verify at
-        poll() (None: verified; the sums if they did not match: poll() raises
-        IntegrityError, and the followers keep what they hold)."""
-        sums, intact = self.transport.receive_verified(buffers, timeout, checked)
-        if not intact:
-            logger.warning("worker %d: version %d arrived corrupted; not relayed to %s",
-                           self.worker_idx, version, followers)
-            return sums
-        layout = self.transport.layout
-        assert layout is not None
-        relay.publish(layout.named_views(buffers), followers, version, timeout)
-        self._relayed_now = True
-        return None
-
     def announce(self, timeout: float | None) -> None:
         """From inside an actor: tell the sender this actor is worker ``worker_idx``."""
         import ray
@@ -314,7 +305,7 @@ class RayReader:
 
     def newer_available(self, version: int) -> bool:
         """Whether a version newer than ``version`` waits for this actor (applies nothing)."""
-        local = self.transport.local
+        local = self.link.local
         if local is not None:  # the version the sender's shared memory points this actor at
             return local.published_version() > version
         staging = self._staging
@@ -325,7 +316,7 @@ class RayReader:
                      deadline: Deadline) -> int | None:
         """Verify and apply the newest version delivered, if newer than ``version``;
         IntegrityError (``dest`` untouched) if its bytes do not match the sender's sums."""
-        local = self.transport.local
+        local = self.link.local
         if local is not None:
             return local.apply(dest, version, deadline)
         if self._staging is not None:
@@ -380,6 +371,6 @@ class RayReader:
 
     def close(self, dest: dict[str, torch.Tensor] | None) -> None:
         self._close_relay()
-        self.transport.close()
+        self.link.close()
         with self._arrived:
             self._arrived.notify_all()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.delta.codec import check_available
 from weightsync.transports.ray.answers import Answers
+from weightsync.transports.ray.delivery import Broadcast, Delivery, DeltaStream
 from weightsync.transports.ray.delta_stream import DeltaSender, WireFigures
 from weightsync.transports.ray.group import FillChunk, _chunks, bucket_buffers, wire_device
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
@@ -53,7 +54,8 @@ class _Flight:
     refs: dict[int, Any] = field(default_factory=dict)  # one take call per member
     sent: bool = False  # signalled and broadcast (by publish, when streamed)
     broadcast_error: str | None = None
-    delivery: dict[str, Any] = field(default_factory=dict)  # what every take call carries
+    #: what every take call carries (the sharded lead's: its wire form)
+    delivery: Delivery | Mapping[str, Any] | None = None
     snapshot_id: str | None = None  # delta: the snapshot streamed
     figures: WireFigures = field(default_factory=WireFigures)
 
@@ -149,42 +151,11 @@ class RayWriter:
         dead |= {w: "not a member of the group" for w in keep
                  if w not in members.members and w not in dead and w not in silent}
         local_keep = [w for w in keep if local is not None and w in local.workers]
-        fill, snapshot_id = None, None
-        if flat is None:  # the newest snapshot again
-            if self._delta is not None and self._delta.latest is not None:
-                snapshot_id = self._delta.latest.id
-            assert self._latest is not None
-            buffers = self._latest
-            if local is not None and local_keep:
-                if self._latest_in_slot:
-                    local.point_at_latest(local_keep)
-                else:
-                    local.publish(wire_layout.named_views(buffers), local_keep, version,
-                                  deadline.remaining())
-        elif self._delta is not None or (self.dtype is not None and local is not None
-                                         and local.workers):  # packed (and cast) first
-            buffers = (self._delta.next_buffers() if self._delta is not None
-                       else self._wire_buffers())
-            if (self._delta is not None and not (local is not None and local.workers)
-                    and members.group.info.world_size > 1 and can_stream(wire_layout, flat)):
-                fill = streamed_pack(wire_layout, flat, buffers)  # cast as the streams go
-            else:
-                wire_layout.pack(flat, buffers)
-            if self._delta is not None:
-                snapshot_id = self._delta.packed(buffers)
-            if local is not None and local.workers:
-                local.publish(wire_layout.named_views(buffers), local_keep, version,
-                              deadline.remaining())
-            self._latest_in_slot = False
-        elif local is not None and local.workers:  # one write into shared memory
-            local.publish(flat, local_keep, version, deadline.remaining())
-            buffers, self._latest_in_slot = local.latest_buffers(), True
+        if flat is None:
+            buffers, fill, snapshot_id = self._latest_again(local_keep, version, deadline)
         else:
-            buffers, self._latest_in_slot = self._wire_buffers(), False
-            if members.group.info.world_size > 1 and can_stream(wire_layout, flat):
-                fill = streamed_pack(wire_layout, flat, buffers)  # packed as it goes out
-            else:
-                wire_layout.pack(flat, buffers)
+            buffers, fill, snapshot_id = self._pack(flat, local_keep, version, deadline,
+                                                    members.group.info.world_size)
         self._latest = buffers
         if self.backend == "nccl":
             torch.cuda.synchronize()
@@ -196,6 +167,50 @@ class RayWriter:
             if flight.broadcast_error is not None:  # the snapshot must be whole all the same
                 wire_layout.pack(flat, buffers)
         return dead
+
+    def _latest_again(self, local_keep: list[int], version: int, deadline: Deadline,
+                      ) -> tuple[dict[str, torch.Tensor], None, str | None]:
+        """``republish``: the newest snapshot as it is (already packed and cast), pointed
+        at or written once more for the actors on this node that keep it."""
+        assert self._latest is not None and self._wire_layout is not None
+        snapshot_id = (self._delta.latest.id
+                       if self._delta is not None and self._delta.latest is not None else None)
+        local = self.local
+        if local is not None and local_keep:
+            if self._latest_in_slot:
+                local.point_at_latest(local_keep)
+            else:
+                local.publish(self._wire_layout.named_views(self._latest), local_keep, version,
+                              deadline.remaining())
+        return self._latest, None, snapshot_id
+
+    def _pack(self, flat: Mapping[str, torch.Tensor], local_keep: list[int], version: int,
+              deadline: Deadline, world_size: int,
+              ) -> tuple[dict[str, torch.Tensor], FillChunk | None, str | None]:
+        """A new snapshot of ``flat``: written once straight into shared memory when actors
+        share this node and nothing is cast or diffed; else packed (and cast) into the wire
+        buffers, streamed into the broadcast as it goes out where no actor shares this node,
+        and then written into shared memory for those that do. Returns the buffers, the
+        chunk filler of a streamed pack, and the delta snapshot id."""
+        wire_layout, local = self._wire_layout, self.local
+        assert wire_layout is not None
+        to_local = local is not None and bool(local.workers)
+        if local is not None and to_local and self._delta is None and self.dtype is None:
+            local.publish(flat, local_keep, version, deadline.remaining())
+            self._latest_in_slot = True
+            return local.latest_buffers(), None, None
+        self._latest_in_slot = False
+        buffers = self._delta.next_buffers() if self._delta is not None else self._wire_buffers()
+        fill = None
+        if not to_local and world_size > 1 and can_stream(wire_layout, flat):
+            fill = streamed_pack(wire_layout, flat, buffers)  # packed (and cast) as it goes out
+        else:
+            wire_layout.pack(flat, buffers)
+        snapshot_id = self._delta.packed(buffers) if self._delta is not None else None
+        if local is not None and to_local:
+            local.publish(wire_layout.named_views(buffers), local_keep, version,
+                          deadline.remaining())
+        return buffers, fill, snapshot_id
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
         """Signal every member (``targets`` keep the version, the others only take part in
@@ -217,22 +232,21 @@ class RayWriter:
         remote = group.info.world_size > 1
         checked = remote and self.checksums
         budget = share(deadline, BROADCAST_SHARE)
-        delivery = {"generation": group.info.generation, "checked": checked,
-                    "timeout_s": None if budget is None else budget * 0.95}
+        delivery = Delivery(group.info.generation, Broadcast(checked),
+                            None if budget is None else budget * 0.95)
         flight.delivery = delivery
         streams = self._streams(flight) if remote and self._delta is not None else None
         for w, h in members.members.items():
             if w in members.followers:
                 continue  # signalled with its relay's answer
-            followers = members.relays_of(w)
-            told = delivery if streams is None or w not in group.info.ranks else (
-                delivery | {"stream": streams.get(group.info.ranks[w], {"skip": True})})
+            told = delivery if streams is None or w not in group.info.ranks else replace(
+                delivery, plan=streams.get(group.info.ranks[w], DeltaStream(skip=True)))
+            told = replace(told, relay=tuple(f for f in members.relays_of(w) if f in flight.keep))
             flight.refs[w] = h._weightsync_receive.remote(
                 version, w in flight.keep, local.messages_for(w) if local is not None else None,
-                told | {"relay": [f for f in followers if f in flight.keep]}
-                if followers else told)
+                told.to_wire())
         if streams is not None:
-            self._stream(flight, {r: s["base"] for r, s in streams.items()}, budget, fill)
+            self._stream(flight, {r: s.base for r, s in streams.items()}, budget, fill)
         elif remote:
             wire = bucket_buffers(self._wire_layout, flight.buffers)
             flight.figures.add(WireFigures(sum(b.numel() for b in wire) * (group.info.world_size - 1),
@@ -248,8 +262,8 @@ class RayWriter:
                                           else type(exc).__name__)
                 members.group = None  # broken: rebuilt from the survivors at the next send
 
-    def _streams(self, flight: _Flight) -> dict[int, dict[str, Any]]:
-        """Delta: what each rank that needs the version is streamed (``id`` and the
+    def _streams(self, flight: _Flight) -> dict[int, DeltaStream]:
+        """Delta: what each rank that needs the version is streamed (the snapshot and the
         ``base`` its deltas are against, None: whole); ranks whose actor and followers
         all are left out by ``worker_ids`` get nothing."""
         members, delta = self.members, self._delta
@@ -257,8 +271,8 @@ class RayWriter:
         streams = {}
         for w, rank in members.group.info.ranks.items():
             if w in flight.keep or any(f in flight.keep for f in members.relays_of(w)):
-                streams[rank] = {"id": flight.snapshot_id,
-                                 "base": delta.base_for(w, members.members.get(w))}
+                streams[rank] = DeltaStream(flight.snapshot_id,
+                                            delta.base_for(w, members.members.get(w)))
         return streams
 
     def _stream(self, flight: _Flight, targets: dict[int, str | None],
@@ -333,12 +347,12 @@ class RayWriter:
         flight.figures.delta_refused += len(refused)
         refs: dict[int, Any] = {}
         targets: dict[int, str | None] = {}
+        assert isinstance(flight.delivery, Delivery)
         for w in refused:
-            followers = [f for f in members.relays_of(w) if f in flight.keep]
-            stream = {"id": flight.snapshot_id, "base": None}
+            followers = tuple(f for f in members.relays_of(w) if f in flight.keep)
+            whole = replace(flight.delivery, plan=DeltaStream(flight.snapshot_id), relay=followers)
             refs[w] = members.members[w]._weightsync_receive.remote(
-                flight.version, w in flight.keep, None,
-                flight.delivery | {"stream": stream} | ({"relay": followers} if followers else {}))
+                flight.version, w in flight.keep, None, whole.to_wire())
             targets[group.info.ranks[w]] = None
         self._stream(flight, targets, share(deadline, BROADCAST_SHARE))
         more = members.answers(refs, deadline.remaining())
