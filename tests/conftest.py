@@ -112,3 +112,19 @@ def workers() -> Iterator[Workers]:
 @pytest.fixture(autouse=True)
 def _single_thread_torch() -> None:
     torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------- test tiers
+#: Tests that only the full run takes (`bash scripts/run.sh test-all`, what CI runs): the
+#: peer suite (TorchRL's own tests on our schemes), the two-host clusters and `vllm serve`
+#: in network namespaces, soaks, benches and demos. The README's default command
+#: (`bash scripts/run.sh test`) leaves them out so that it ends within minutes.
+FULL_TIER: tuple[str, ...] = (
+    "tests/torchrl_compat/",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(FULL_TIER):
+            item.add_marker(pytest.mark.full)
