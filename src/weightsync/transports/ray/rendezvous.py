@@ -3,11 +3,13 @@ name. It holds the group's public connection info (never the token) and the hand
 actors that announced themselves; it dies with the trainer's node, which is how receivers
 learn that their sender is gone.
 
-With a sharded trainer (``trainer_ranks > 1``) it is also the board through which rank 0
-tells ranks 1..N-1 what to send and they answer (``transports/ray/sharded_rank.py``): no
+With a sharded trainer (``trainer_ranks > 1``) it is also the rank protocol's board
+(``transports/ranks/``): ranks 1..N-1 post their hellos and dones, rank 0 its plans and
+outcomes, all as the protocol's JSON records (``sharded_lead.py``, ``sharded_rank.py``); no
 collective on the user's process group is needed. It is owned by rank 0's process, so it
 dies with it, which is how the other ranks learn that rank 0 is gone. The board holds no
-secret; what crosses the group is authenticated by the group itself."""
+secret and Ray calls are not authenticated by weightsync (docs/security.md); what crosses
+the group is authenticated by the group itself."""
 
 from __future__ import annotations
 
@@ -49,8 +51,27 @@ class Rendezvous:
         return True
 
     # ------------------------------------------------ sharded trainers (the rank board)
-    def post_hello(self, rank: int, hello: dict[str, Any]) -> None:
-        self.hellos[rank] = hello
+    def post_hello(self, rank: int, hello: dict[str, Any]) -> str:
+        """Rank ``rank``'s hello (a record of ``transports/ranks``), unless another live
+        process holds the rank: then why it is refused, and nothing changes."""
+        from weightsync.core.errors import IntegrityError
+        from weightsync.transports.ranks.liveness import claim_refused
+        from weightsync.transports.ranks.records import Hello
+
+        try:
+            claimant = Hello.from_json(hello, f"trainer rank {rank}'s hello")
+            held = None if rank not in self.hellos else Hello.from_json(self.hellos[rank], "")
+        except IntegrityError as exc:
+            return f"trainer rank {rank}: {exc}"
+        why = claim_refused(held, claimant)
+        if not why:
+            self.hellos[rank] = hello
+        return why
+
+    def withdraw_hello(self, rank: int, incarnation: str) -> None:
+        """Rank ``rank`` closed: forget its hello if it is still that incarnation's."""
+        if self.hellos.get(rank, {}).get("incarnation") == incarnation:
+            del self.hellos[rank]
 
     def get_hellos(self) -> dict[int, dict[str, Any]]:
         return dict(self.hellos)
@@ -76,8 +97,8 @@ class Rendezvous:
 
     def post_outcome(self, attempt: str, outcome: dict[str, Any]) -> None:
         self.outcomes[attempt] = outcome
-        if outcome.get("committed") is not None:
-            self.committed = max(self.committed, int(outcome["committed"]))
+        if outcome.get("committed") is True:
+            self.committed = max(self.committed, int(outcome["version"]))
         for old in list(self.outcomes)[:-8]:
             del self.outcomes[old]
 
