@@ -112,12 +112,7 @@ def test_a_rank_that_never_starts_is_named_within_the_deadline(transport, ranks,
     lost(ranks, present, missing, within=6)
 
 
-def test_a_killed_rank_is_named_and_a_restarted_one_joins_the_next_version(transport, ranks,
-                                                                         worker, request):
-    if transport.name == "ray":  # a known gap, in the report of issue #35's rank protocol
-        request.applymarker(pytest.mark.xfail(strict=False, reason=(
-            "Ray: after an idle rank 1 is killed and restarted, rank 0's retry did not "
-            "commit within 60 s in 1 of 1 runs (the restart during a send passes)")))
+def test_a_killed_rank_is_named_and_a_restarted_one_joins_the_next_version(ranks, worker):
     connect_both(ranks, worker)
     ranks.kill(1)
     ranks.tell(0, "send", 6)

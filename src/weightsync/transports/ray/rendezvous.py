@@ -33,6 +33,9 @@ class Rendezvous:
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.joining: dict[int, int] = {}
         self.committed = -1
+        #: the group generation of the newest plan that named one: a newer generation is
+        #: being built (ranks join it); this one or an older is in use, or dead
+        self.planned_generation = -1
 
     def set_group(self, info: dict[str, Any], layout: dict[str, Any]) -> None:
         self.info, self.layout = info, layout
@@ -84,6 +87,9 @@ class Rendezvous:
 
     def post_plan(self, plan: dict[str, Any]) -> None:
         self.plan = plan
+        generation = (plan.get("detail") or {}).get("generation")
+        if isinstance(generation, int):  # not a plan that failed before it began
+            self.planned_generation = generation
         self.dones[plan["attempt"]] = {}
         for old in list(self.dones)[:-4]:
             del self.dones[old]
@@ -107,7 +113,7 @@ class Rendezvous:
         plan = self.plan
         outcome = None if plan is None else self.outcomes.get(plan["attempt"])
         return {"info": self.info, "plan": plan, "outcome": outcome,
-                "committed": self.committed}
+                "committed": self.committed, "planned_generation": self.planned_generation}
 
     def get_outcome(self, attempt: str) -> dict[str, Any] | None:
         return self.outcomes.get(attempt)

@@ -130,13 +130,10 @@ class RayMemberBoard:
             time.sleep(min(seconds, POLL_S))
 
     def _look(self) -> dict[str, Any]:
-        """The board now; join a new generation being built (one that has no plan yet:
-        rank 0 waits for every rank; one with a plan is in use or, failed, dead)."""
+        """The board now; join a new generation being built (one no plan named yet: rank
+        0 waits for every rank; one a plan named is in use or, failed, dead)."""
         snapshot = self._snapshot = self._call("board")
-        info, plan = snapshot["info"], snapshot["plan"]
-        detail = (plan or {}).get("detail") or {}
-        planned = detail.get("generation") if isinstance(detail, dict) else None
-        planned = planned if isinstance(planned, int) else -1  # a plan that failed first
+        info, planned = snapshot["info"], int(snapshot.get("planned_generation", -1))
         if info is not None and int(info["generation"]) > self._tried_generation \
                 and planned < int(info["generation"]):
             self._join(info)
