@@ -203,7 +203,8 @@ def restarted_rank(rank: int, world: int, address: str, scheme: Any, names: list
     """LocalShard rows of ``w`` (0..5 on rank 0, 5..8 on rank 1) and ``b`` (rank 0).
     Rank 0 writes ``base + n`` into its rows and ``b`` for version n; rank 1 always
     ``base``. Rank 1's first incarnation SIGKILLs itself inside version 1; rank 0's send
-    raises, then its next send (version 2) goes out once a new rank 1 joined."""
+    raises, then its next send (version 1 again: a failed version is not counted) goes out
+    once a new rank 1 joined."""
     from weightsync.transports.ray import shard_stream
 
     _connect_ray(address)

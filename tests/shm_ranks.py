@@ -116,7 +116,8 @@ class Ranks:
         self.go = ctx.Queue() if paced else None
         port = 29000 + os.getpid() % 2000
         self.procs = [ctx.Process(target=rank_main, daemon=True, args=(
-            r, world, port, scheme, how, steps, self.outs[r], self.go, hooks or {}))
+            r, world, port, scheme.for_trainer_ranks(), how, steps, self.outs[r], self.go,
+            hooks or {}))
             for r in range(world)]
         for p in self.procs:
             p.start()
@@ -235,7 +236,8 @@ class BlockRanks:
     def start(self, rank: int, rows: int | None = None, first_value: float = 0.0) -> None:
         self.outs[rank], self.commands[rank] = self.ctx.Queue(), self.ctx.Queue()
         self.procs[rank] = self.ctx.Process(target=block_rank_main, daemon=True, args=(
-            rank, self.world, self.scheme, self.outs[rank], self.commands[rank], rows,
+            rank, self.world, self.scheme.for_trainer_ranks(), self.outs[rank],
+            self.commands[rank], rows,
             first_value))
         self.procs[rank].start()
 

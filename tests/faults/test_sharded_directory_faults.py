@@ -35,10 +35,11 @@ def _wait(predicate, timeout, what):
 
 
 def _failed(directory):
-    """Rank 0 gave up on an attempt: the failed attempt's record, or (it retries at once)
-    the next attempt's, which still names the last failure."""
+    """Rank 0 gave up on an attempt: ``pending.json`` keeps the failed outcome (also once
+    rank 0 retried)."""
     obj = read_json_object(directory / PENDING)
-    return obj is not None and Pending.from_json(obj, directory / PENDING).failure is not None
+    return obj is not None and any(not o.committed for o in
+                                   Pending.from_json(obj, str(directory / PENDING)).outcomes)
 
 
 def test_killed_rank_fails_the_version_and_a_restarted_rank_joins(directory):
@@ -79,7 +80,7 @@ def test_stopped_rank_fails_the_version_within_the_deadline(directory):
     (kind, rank, message, seconds, step), = lead["errors"]
     assert (kind, rank, step) == ("TrainerRankLostError", 1, 1), message
     assert 2.5 < seconds < 6, seconds  # its deadline (3 s), not a hang
-    assert "did not write their part" in message
+    assert "did not write its part" in message
     # the stopped rank, resumed, learns that its version failed, then retries with rank 0
     assert [e[:2] for e in stopped["errors"]] == [("TrainerRankLostError", 1)]
     assert lead["versions"] == stopped["versions"] == [0, 1, 2]

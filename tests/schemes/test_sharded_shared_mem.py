@@ -83,3 +83,44 @@ def test_create_sender_checks_the_rank():
         ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=0)
     with pytest.raises(ValueError, match=r"0\.\.0"):
         ws.SharedMemWeightSyncScheme(num_workers=1).create_sender(rank=1)
+
+
+def test_the_rank_key_reaches_the_ranks_only():
+    """Workers get the scheme's pickle, which leaves the rank key out: a worker cannot create
+    a rank's sender; the ranks' copy carries it once (passed on, it is dropped again)."""
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
+    as_worker = pickle.loads(pickle.dumps(scheme))
+    assert as_worker.config.rank_key == "" and as_worker.token == scheme.token
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match=r"for_trainer_ranks\(\)"):
+            as_worker.create_sender(rank=rank)
+    as_rank = pickle.loads(pickle.dumps(scheme.for_trainer_ranks()))
+    assert as_rank.config.rank_key == scheme.config.rank_key
+    assert scheme.config.rank_key not in (scheme.token, "")
+    assert pickle.loads(pickle.dumps(as_rank)).config.rank_key == ""
+    as_rank.create_sender(rank=1).close()
+    with pytest.raises(ValueError, match=r"for_trainer_ranks\(\)"):
+        as_worker.for_trainer_ranks()
+
+
+def test_rank_0_refuses_a_process_that_proves_only_the_workers_token():
+    from weightsync.core.deadline import Deadline
+    from weightsync.transports.shm.ranks import RankHub, RankLink
+
+    scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
+    c = scheme.config
+    hub = RankHub(c.address, c.rank_key, c.uid, 2)
+    hub.start()
+    try:
+        def ignore(*_args):
+            raise AssertionError("no slot reaches a refused process")
+
+        posing = RankLink(c.address, c.token, c.uid, 1, ignore, ignore)
+        with pytest.raises(ws.TrainerRankLostError, match="could not join rank 0"):
+            posing.open(Deadline(5))
+        assert hub.hellos() == {} and not hub.connections
+        real = RankLink(c.address, c.rank_key, c.uid, 1, ignore, ignore)
+        real.open(Deadline(5))
+        real.close()
+    finally:
+        hub.close()

@@ -146,7 +146,8 @@ def run_sharded_bench(size: str, nbytes: int, repeats: int,
     rank_out, worker_out = [ctx.Queue() for _ in range(world)], [ctx.Queue() for _ in range(workers)]
     port = 20000 + os.getpid() % 20000
     procs = [ctx.Process(target=_rank, daemon=True,
-                         args=(r, world, port, layers, sharded, single, repeats, rank_out[r]))
+                         args=(r, world, port, layers, sharded.for_trainer_ranks(), single, repeats,
+                               rank_out[r]))
              for r in range(world)]
     procs += [ctx.Process(target=_worker, daemon=True,
                           args=(w, layers, sharded, single, repeats, worker_out[w]))

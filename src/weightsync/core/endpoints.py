@@ -65,6 +65,29 @@ class WeightWriter(Protocol):
         """Release everything; the workers learn that the sender left."""
 
 
+class ShardedWeightWriter(WeightWriter, Protocol):
+    """One rank's end of a sharded trainer (``trainer_ranks > 1``): a :class:`WeightWriter`
+    whose ``publish`` writes this rank's shards of the version the ranks commit together
+    (the rank protocol, ``transports/ranks/``)."""
+
+    #: always True: the sender takes DTensors / LocalShards and registers the global layout
+    sharded: bool
+    #: the newest version committed when this rank joined (read once, after ``start``):
+    #: a rank that joins late continues from there, its ``connect()`` is the next version
+    joined_at: int
+    #: after ``publish``: the version this rank wrote (the one asked for, or the one rank 0
+    #: was at if this rank fell behind); if it fails later (``wait_acked``), the last
+    #: version committed again: the sender does not count a version that failed
+    committed: int
+
+
+def as_sharded(writer: WeightWriter) -> ShardedWeightWriter | None:
+    """``writer`` as a sharded rank's writer, or None for a single trainer's."""
+    if getattr(writer, "sharded", False) is True:
+        return writer  # type: ignore[return-value]
+    return None
+
+
 class WeightReader(Protocol):
     """A worker's end of a transport."""
 

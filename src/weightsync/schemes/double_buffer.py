@@ -22,14 +22,14 @@ from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
 from weightsync.schemes.lora import LoraAdapter, check_adapter_name
-from weightsync.schemes.ranks import trainer_rank
+from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_mode
 from weightsync.transports.directory.manifest import Commit
 from weightsync.transports.directory.reader import DirectoryReader, Loader, check_layout_matches
-from weightsync.transports.directory.sharded import ShardedMemberWriter, check_rank
-from weightsync.transports.directory.sharded_lead import ShardedLeadWriter
+from weightsync.transports.directory.sharded import ShardedMemberWriter
+from weightsync.transports.directory.sharded_lead import DirectoryLeadWriter
 from weightsync.transports.directory.writer import DirectoryWriter
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,12 @@ class DirectoryConfig:
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
+        checked_trainer_ranks(self.trainer_ranks)
         if self.adapter is not None:
             check_adapter_name(self.adapter)
             if self.trainer_ranks != 1:
                 raise ValueError("adapter= needs an unsharded trainer (trainer_ranks=1): an "
                                  "adapter is small enough for one rank to write")
-        if type(self.trainer_ranks) is not int or self.trainer_ranks < 1:
-            raise ValueError(f"trainer_ranks must be an int >= 1, got {self.trainer_ranks!r}")
         if self.dtype is not None and not (
             isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
         ):
@@ -121,7 +120,7 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
         """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an
         unsharded trainer, else this process's torch.distributed rank)."""
-        return VLLMDoubleBufferWeightSender(self, trainer_rank(rank, self.config.trainer_ranks))
+        return VLLMDoubleBufferWeightSender(self, rank)
 
     def create_receiver(self, worker_idx: int = 0) -> VLLMDoubleBufferWeightReceiver:
         return VLLMDoubleBufferWeightReceiver(self, worker_idx)
@@ -130,17 +129,17 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
 class VLLMDoubleBufferWeightSender(WeightSender):
     """Writes each version into a free slot, then commits it with an atomic manifest."""
 
-    def __init__(self, scheme: VLLMDoubleBufferSyncScheme, rank: int = 0) -> None:
+    def __init__(self, scheme: VLLMDoubleBufferSyncScheme, rank: int | None = 0) -> None:
         c = scheme.config
-        check_rank(rank, c.trainer_ranks)
+        rank = trainer_rank(rank, c.trainer_ranks)
         writer: DirectoryWriter | ShardedMemberWriter
         if c.trainer_ranks == 1:
             writer = DirectoryWriter(c.directory, c.num_workers, dtype=c.dtype, durable=c.durable,
                                      mode=c.mode, poll_interval=c.poll_interval)
         elif rank == 0:
-            writer = ShardedLeadWriter(c.directory, c.num_workers, ranks=c.trainer_ranks,
-                                       dtype=c.dtype, durable=c.durable, mode=c.mode,
-                                       poll_interval=c.poll_interval)
+            writer = DirectoryLeadWriter(c.directory, c.num_workers, ranks=c.trainer_ranks,
+                                         dtype=c.dtype, durable=c.durable, mode=c.mode,
+                                         poll_interval=c.poll_interval)
         else:
             writer = ShardedMemberWriter(c.directory, c.num_workers, rank=rank,
                                          ranks=c.trainer_ranks, dtype=c.dtype, durable=c.durable,

@@ -30,13 +30,13 @@ from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
-from weightsync.schemes.ranks import trainer_rank
+from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.ray.group import current_node_id
 from weightsync.transports.ray.reader import SENDER_CHECK_S, RayReader
 from weightsync.transports.ray.rendezvous import Rendezvous
-from weightsync.transports.ray.sharded_lead import ShardedLeadWriter
+from weightsync.transports.ray.sharded_lead import RayLeadWriter
 from weightsync.transports.ray.sharded_rank import RankRayWriter
 from weightsync.transports.ray.writer import RayWriter
 
@@ -47,8 +47,6 @@ BACKENDS = ("gloo", "nccl")
 #: the Ray namespace of a sharded trainer's rendezvous actor: its ranks are separate Ray
 #: jobs (each its own namespace by default), and they and the actors must all find it
 SHARDED_NAMESPACE = "weightsync"
-#: the most trainer ranks one scheme takes (each is a member of every group generation)
-MAX_TRAINER_RANKS = 1024
 
 
 @dataclass(frozen=True)
@@ -94,9 +92,7 @@ class RayConfig:
         if self.delta and self.backend != "gloo":
             raise ValueError("delta=True needs backend='gloo' (the deltas are encoded and "
                              "decoded on the CPU)")
-        if type(self.trainer_ranks) is not int or not 1 <= self.trainer_ranks <= MAX_TRAINER_RANKS:
-            raise ValueError(f"trainer_ranks must be an int in 1..{MAX_TRAINER_RANKS}, got "
-                             f"{self.trainer_ranks!r}")
+        checked_trainer_ranks(self.trainer_ranks)
         if self.trainer_ranks > 1 and self.delta:
             raise ValueError("delta=True is not supported with trainer_ranks > 1 (no rank "
                              "holds the whole previous version to diff against)")
@@ -219,7 +215,7 @@ class RayWeightSender(WeightSender):
         c = scheme.config
         writer: RayWriter
         if c.trainer_ranks > 1:  # rank 0 of a sharded trainer: no node-local path
-            writer = ShardedLeadWriter(
+            writer = RayLeadWriter(
                 trainer_ranks=c.trainer_ranks, num_workers=c.num_workers, backend=c.backend,
                 node_local=False, checksums=c.checksums, rendezvous_name=c.connection_info_name,
                 secret=c.secret, timeout=scheme.peer_timeout, dtype=c.dtype, namespace=c.namespace)

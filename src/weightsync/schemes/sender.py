@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightsync.core.deadline import Deadline, human_duration
-from weightsync.core.endpoints import Losses, WeightWriter
+from weightsync.core.endpoints import Losses, WeightWriter, as_sharded
 from weightsync.core.errors import WeightSyncError, WorkerLostError
 from weightsync.core.fork_safety import track_for_fork
 from weightsync.core.layout import Layout
@@ -73,7 +73,8 @@ class WeightSender(Closable):
         self._owner_pid = os.getpid()
         #: one rank of a sharded trainer: the model holds DTensors / LocalShards, and the
         #: layout is the global one (``core/shards.py``)
-        self._sharded = bool(getattr(writer, "sharded", False))
+        self._ranks = as_sharded(writer)
+        self._sharded = self._ranks is not None
         track_for_fork(self)
 
     # ------------------------------------------------------------------ model
@@ -157,7 +158,12 @@ class WeightSender(Closable):
             if pending.error is not None:
                 raise pending.error
             if self.writer.needs_acks:  # those not there yet are waited for just below
-                self.writer.wait_acked(pending.targets, pending.version, deadline, pending.lost)
+                try:
+                    self.writer.wait_acked(pending.targets, pending.version, deadline,
+                                           pending.lost)
+                except BaseException:
+                    self._uncount_failed(pending.version)
+                    raise
             self._record(pending)
         self.writer.wait_joined(self._table.published, deadline)
         return self._table.published
@@ -192,9 +198,8 @@ class WeightSender(Closable):
             self.writer.start(deadline)
             self._started = True
             # a rank that joins a sharded trainer late takes the versions already committed
-            joined_at = int(getattr(self.writer, "joined_at", NO_VERSION))
-            if joined_at > self._table.published:
-                self._table.published = joined_at
+            if self._ranks is not None and self._ranks.joined_at > self._table.published:
+                self._table.published = self._ranks.joined_at
 
     def _start_send(self, weights: Any, worker_ids: int | list[int] | None,
                     deadline: Deadline) -> None:
@@ -215,8 +220,8 @@ class WeightSender(Closable):
         requested = named if named is not None else list(range(self._table.num_workers))
         t0 = time.perf_counter()
         unreachable = self.writer.publish(flat, self._layout, requested, version, deadline)
-        # a sharded rank that fell behind wrote the version the others are at
-        version = int(getattr(self.writer, "committed", version))
+        if self._ranks is not None:  # a rank that fell behind wrote the others' version
+            version = self._ranks.committed
         if self._reported:  # those reported lost that are back again
             self._reported.difference_update(self.writer.held_versions())
         targets = [w for w in requested if w not in unreachable]
@@ -249,6 +254,9 @@ class WeightSender(Closable):
                 t0 = time.perf_counter()
                 self.writer.wait_acked(pending.targets, pending.version, deadline, pending.lost)
                 pending.phases["ack"] = time.perf_counter() - t0
+        except BaseException:
+            self._uncount_failed(pending.version)
+            raise
         finally:
             self._pending = None
         self._record(pending)
@@ -256,6 +264,13 @@ class WeightSender(Closable):
             self._reported.update(pending.lost)
             raise WorkerLostError.naming(pending.lost, pending.version)
         return pending.version
+
+    def _uncount_failed(self, version: int) -> None:
+        """A sharded trainer's version that failed after it was published (the ranks did
+        not all commit it) is not counted: the next committed version takes its number."""
+        if self._ranks is not None and self._ranks.committed < version:
+            self._table.published = self._ranks.committed
+            self._sent_any = self._ranks.committed != NO_VERSION
 
     def _record(self, pending: PendingSend) -> None:
         self._stats.add(SendRecord(pending.version, tuple(pending.targets), pending.nbytes,

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.local import LocalScheme, SameHostConfig
-from weightsync.schemes.ranks import trainer_rank
+from weightsync.schemes.ranks import (
+    checked_rank_key,
+    checked_trainer_ranks,
+    for_trainer_ranks,
+    new_rank_key,
+    pickled_state,
+    trainer_rank,
+)
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.shm.endpoints import SharedMemReader, SharedMemWriter
 from weightsync.transports.shm.sharded import RankWriter, RankZeroWriter
 from weightsync.transports.shm.slots import MAX_SLOTS, MAX_WORKERS
-
-#: the most trainer ranks one scheme takes (each holds a connection and a slot mapping)
-MAX_TRAINER_RANKS = 1024
-
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class SharedMemConfig(SameHostConfig):
     zero_copy: bool = False
     #: how many processes of a sharded trainer write each version (``shm/sharded.py``)
     trainer_ranks: int = 1
+    #: what the ranks prove to rank 0 (never the workers' token; not pickled to workers:
+    #: ``schemes/ranks.py``)
+    rank_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,7 +46,7 @@ class SharedMemConfig(SameHostConfig):
             raise ValueError(f"num_workers={self.num_workers} needs max_slots <= {MAX_SLOTS}; "
                              f"pass max_slots= explicitly")
         object.__setattr__(self, "zero_copy", bool(self.zero_copy))
-        checked_int(self.trainer_ranks, "trainer_ranks", 1, MAX_TRAINER_RANKS)
+        checked_trainer_ranks(self.trainer_ranks)
 
 
 class SharedMemWeightSyncScheme(LocalScheme):
@@ -62,15 +69,25 @@ class SharedMemWeightSyncScheme(LocalScheme):
         super().__init__(num_workers, timeout=timeout, strategy=strategy)
         self.config: SharedMemConfig = SharedMemConfig(
             **asdict(self.config), max_slots=max_slots, zero_copy=zero_copy,
-            trainer_ranks=trainer_ranks)
+            trainer_ranks=trainer_ranks,
+            rank_key=new_rank_key() if checked_trainer_ranks(trainer_ranks) > 1 else "")
 
     max_slots = property(lambda self: self.config.max_slots)
     zero_copy = property(lambda self: self.config.zero_copy)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
+    def for_trainer_ranks(self) -> SharedMemWeightSyncScheme:
+        """What to hand the trainer ranks: this scheme, with the rank key in its pickle.
+        Workers get the scheme itself, whose pickle leaves the key out."""
+        return for_trainer_ranks(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pickled_state(self)
+
     def create_sender(self, rank: int | None = None) -> WeightSender:
         """The trainer's end; with ``trainer_ranks > 1``, rank ``rank``'s (default: this
-        process's torch.distributed rank), which registers its own shards."""
+        process's torch.distributed rank), which registers its own shards. Needs the rank
+        key: the scheme as created, or a copy from :meth:`for_trainer_ranks`."""
         c = self.config
         rank = trainer_rank(rank, c.trainer_ranks)
         writer: RankZeroWriter | RankWriter | SharedMemWriter
@@ -78,10 +95,10 @@ class SharedMemWeightSyncScheme(LocalScheme):
             writer = SharedMemWriter(c.address, c.token, c.uid, c.num_workers,
                                      max_slots=self.max_slots)
         elif rank == 0:
-            writer = RankZeroWriter(c.address, c.token, c.uid, c.num_workers, self.max_slots,
-                                    c.trainer_ranks)
+            writer = RankZeroWriter(c.address, c.token, checked_rank_key(c.rank_key, self), c.uid,
+                                    c.num_workers, self.max_slots, c.trainer_ranks)
         else:
-            writer = RankWriter(c.address, c.token, c.uid, rank)
+            writer = RankWriter(c.address, checked_rank_key(c.rank_key, self), c.uid, rank)
         return WeightSender(self, writer, c.num_workers)
 
     def create_receiver(self, worker_idx: int = 0, zero_copy: bool | None = None) -> WeightReceiver:

@@ -1,36 +1,41 @@
-"""The control files of a sharded trainer writing one directory: who is there, which version
-is being written where, and what each rank wrote.
+"""The rank protocol's board in one directory (:mod:`weightsync.transports.ranks`): the
+records are small JSON files, each with one writer.
 
 ::
 
-    hello-<r>.json    rank r: its incarnation (a random nonce), pid, pid namespace, the
-                      global layout it registered and the regions of each tensor it writes
-    pending.json      rank 0: version n goes to slot i (attempt id, the ranks' nonces it
-                      checked); or why the attempt failed
-    rank-<r>.json     rank r: it wrote its part of that attempt, with its checksum shares
+    hello-<r>.json    rank r: its hello (incarnation, global layout, regions) and, to judge
+                      its liveness by, its pid, host and pid namespace
+    pending.json      rank 0: the current plan (version n into slot i) and the outcomes
+                      of the last few attempts
+    rank-<r>.json     rank r: its done record of an attempt, with its checksum shares
 
-Each file is written atomically (temp file + rename) by its one writer and read by the
-others as untrusted input (validated, never unpickled), like the manifest and acks. The
-protocol that uses them is in ``directory/sharded.py``.
+Each file is written atomically (temp file + rename) and read by the others as untrusted
+input (validated, never unpickled), like the manifest and acks. A committed version is
+also the manifest's: a rank that sees the manifest name its plan's version knows it was
+committed even if rank 0 has moved on since. Rank 0 is gone when ``sender.lock`` is no
+longer held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from weightsync.core.errors import IntegrityError
-from weightsync.core.liveness import judged_by_pid, pid_scope, process_dying
+from weightsync.core.errors import IntegrityError, WeightSyncError
 from weightsync.transports.directory.files import read_json_if_changed, write_json_atomic
+from weightsync.transports.directory.manifest import ManifestCache, sender_alive
+from weightsync.transports.ranks.liveness import claim_refused, hello_dead, who
+from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
 PENDING = "pending.json"
-#: what a failure record says went wrong: a rank was lost, or the ranks' layouts disagree
-LOST, SCHEMA = "lost", "schema"
+#: outcomes ``pending.json`` keeps (a rank that looks late still finds its attempt's)
+KEPT_OUTCOMES = 8
+
+T = TypeVar("T")
 
 
 def hello_path(directory: Path, rank: int) -> Path:
@@ -41,153 +46,38 @@ def rank_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.json"
 
 
-def new_nonce() -> str:
-    return os.urandom(8).hex()
-
-
-def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: Path) -> Any:
-    value = obj.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise IntegrityError(f"{where}: {key} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _sums(obj: Any, where: Path) -> tuple[int, ...]:
-    if not isinstance(obj, list) or not all(isinstance(s, str) and s.isdigit() for s in obj):
-        raise IntegrityError(f"{where}: checksums must be a list of digit strings")
-    return tuple(int(s) for s in obj)
-
-
-@dataclass(frozen=True)
-class Hello:
-    """A rank announcing itself (written at its first send, again after a restart)."""
-
-    rank: int
-    nonce: str
-    pid: int
-    host: str
-    scope: str | None
-    layout: dict[str, Any]  # Layout.to_dict() of the global layout
-    fingerprint: str
-    regions: dict[str, list[int]]  # describe_regions() of its pieces
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "nonce": self.nonce, "pid": self.pid, "host": self.host,
-                "pidns": self.scope, "layout": self.layout, "fingerprint": self.fingerprint,
-                "regions": self.regions, "at": time.time()}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any], where: Path) -> Hello:
-        regions = _field(obj, "regions", dict, where)
-        for name, bounds in regions.items():
-            if not isinstance(bounds, list) or not all(type(b) is int and b >= 0 for b in bounds):
-                raise IntegrityError(f"{where}: the region of {name!r} is not a list of ints")
-        scope = obj.get("pidns")
-        return cls(_field(obj, "rank", int, where), _field(obj, "nonce", str, where),
-                   _field(obj, "pid", int, where), _field(obj, "host", str, where),
-                   scope if isinstance(scope, str) else None, _field(obj, "layout", dict, where),
-                   _field(obj, "fingerprint", str, where), regions)
-
-    def dead(self) -> bool:
-        """The process that wrote this hello is gone (judged only in our pid namespace)."""
-        return judged_by_pid(self.scope) and process_dying(self.pid)
-
-    @property
-    def who(self) -> str:
-        return f"trainer rank {self.rank} (pid {self.pid} on {self.host})"
-
-
-def make_hello(rank: int, layout: dict[str, Any], fingerprint: str,
-               regions: dict[str, list[int]]) -> Hello:
-    return Hello(rank, new_nonce(), os.getpid(), socket.gethostname(), pid_scope(), layout,
-                 fingerprint, regions)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why an attempt was abandoned: ``kind`` is :data:`LOST` (``rank`` died, restarted,
-    stopped or was too slow) or :data:`SCHEMA` (``rank``'s layout disagrees)."""
-
-    attempt: str
-    rank: int
-    kind: str
-    message: str
-
-
-@dataclass(frozen=True)
 class Pending:
-    """Rank 0's word on the version being written: ``version`` into ``slot``, attempt
-    ``attempt``, by the rank incarnations ``nonces`` (rank -> hello nonce) whose layouts it
-    checked. ``failure``: the last attempt that failed (this one, if it names it)."""
+    """``pending.json``: the current plan and the outcomes of the last attempts."""
 
-    version: int
-    slot: int
-    attempt: str
-    nonces: dict[int, str]
-    failure: Failure | None = None
+    def __init__(self, plan: Plan | None, outcomes: list[Outcome]) -> None:
+        self.plan, self.outcomes = plan, outcomes
 
-    @property
-    def failed(self) -> bool:
-        return self.failure is not None and self.failure.attempt == self.attempt
+    def outcome(self, attempt: str) -> Outcome | None:
+        return next((o for o in reversed(self.outcomes) if o.attempt == attempt), None)
 
     def to_json(self) -> dict[str, Any]:
-        failure = None if self.failure is None else {
-            "attempt": self.failure.attempt, "rank": self.failure.rank,
-            "kind": self.failure.kind, "message": self.failure.message}
-        return {"version": self.version, "slot": self.slot, "attempt": self.attempt,
-                "ranks": {str(r): n for r, n in sorted(self.nonces.items())},
-                "failure": failure, "pid": os.getpid(), "at": time.time()}
+        return {"plan": None if self.plan is None else self.plan.to_json(),
+                "outcomes": [o.to_json() for o in self.outcomes], "at": time.time()}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any], where: Path) -> Pending:
-        ranks = _field(obj, "ranks", dict, where)
-        if not all(k.isdigit() and isinstance(v, str) for k, v in ranks.items()):
-            raise IntegrityError(f"{where}: ranks must map rank numbers to nonces")
-        raw = obj.get("failure")
-        failure = None
-        if raw is not None:
-            if not isinstance(raw, dict):
-                raise IntegrityError(f"{where}: failure is not an object")
-            failure = Failure(_field(raw, "attempt", str, where), _field(raw, "rank", int, where),
-                              _field(raw, "kind", str, where), _field(raw, "message", str, where))
-        return cls(_field(obj, "version", int, where), _field(obj, "slot", int, where),
-                   _field(obj, "attempt", str, where), {int(k): v for k, v in ranks.items()},
-                   failure)
+    def from_json(cls, obj: dict[str, Any], where: str) -> Pending:
+        raw = obj.get("outcomes")
+        if not isinstance(raw, list):
+            raise IntegrityError(f"{where}: outcomes must be a list")
+        plan = obj.get("plan")
+        return cls(None if plan is None else Plan.from_json(plan, where),
+                   [Outcome.from_json(o, where) for o in raw])
 
 
-@dataclass(frozen=True)
-class RankDone:
-    """Rank ``rank`` (incarnation ``nonce``) wrote its part of ``attempt`` (``version``);
-    ``checksums``: its share of each bucket checksum."""
-
-    rank: int
-    nonce: str
-    version: int
-    attempt: str
-    checksums: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "nonce": self.nonce, "version": self.version,
-                "attempt": self.attempt, "checksums": [str(c) for c in self.checksums],
-                "pid": os.getpid(), "at": time.time()}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any], where: Path) -> RankDone:
-        return cls(_field(obj, "rank", int, where), _field(obj, "nonce", str, where),
-                   _field(obj, "version", int, where), _field(obj, "attempt", str, where),
-                   _sums(obj.get("checksums"), where))
-
-
-class ControlFiles:
-    """Reads and writes one directory's rank files, parsing a file again only when its
-    bytes changed (rank 0 polls them every few milliseconds while a version is written)."""
+class RankFiles:
+    """Reads and writes one directory's rank files, parsing a file again only when its bytes
+    changed (the ranks poll them every few milliseconds while a version is written)."""
 
     def __init__(self, directory: Path, mode: int) -> None:
-        self.directory = directory
-        self.mode = mode
+        self.directory, self.mode = directory, mode
         self._cache: dict[Path, tuple[bytes, Any]] = {}
 
-    def _read(self, path: Path, parse: Any) -> Any:
+    def read(self, path: Path, parse: Callable[[dict[str, Any], str], T]) -> T | None:
         known = self._cache.get(path)
         found = read_json_if_changed(path, known[0] if known else None)
         if found is None:
@@ -195,25 +85,164 @@ class ControlFiles:
             return None
         raw, obj = found
         if obj is None and known is not None:
-            return known[1]
-        value = parse(obj, path)
+            return known[1]  # type: ignore[no-any-return]
+        value = parse(obj or {}, str(path))
         self._cache[path] = (raw, value)
         return value
 
-    def hello(self, rank: int) -> Hello | None:
-        return self._read(hello_path(self.directory, rank), Hello.from_json)
-
-    def pending(self) -> Pending | None:
-        return self._read(self.directory / PENDING, Pending.from_json)
-
-    def done(self, rank: int) -> RankDone | None:
-        return self._read(rank_path(self.directory, rank), RankDone.from_json)
-
-    def write(self, path: Path, record: Hello | Pending | RankDone) -> None:
+    def write(self, path: Path, obj: dict[str, Any]) -> None:
         # visibility needs only the rename; the manifest is the one file fsynced
-        write_json_atomic(path, record.to_json(), mode=self.mode, durable=False)
+        write_json_atomic(path, obj, mode=self.mode, durable=False)
 
     def remove(self, path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._cache.pop(path, None)
+
+    def pending(self) -> Pending | None:
+        return self.read(self.directory / PENDING, Pending.from_json)
+
+    def hello(self, rank: int) -> Hello | None:
+        return self.read(hello_path(self.directory, rank), Hello.from_json)
+
+
+class LeadFiles:
+    """Rank 0's side of the board (a :class:`~weightsync.transports.ranks.board.LeadBoard`)."""
+
+    def __init__(self, directory: Path, mode: int, world: int, poll_interval: float) -> None:
+        self.files = RankFiles(directory, mode)
+        self.directory, self.world, self.poll_interval = directory, world, poll_interval
+        existing = self._safe(self.files.pending)
+        self._plan: Plan | None = None
+        self._outcomes: list[Outcome] = [] if existing is None else existing.outcomes
+
+    @staticmethod
+    def _safe(read: Callable[[], T]) -> T | None:
+        try:
+            return read()
+        except IntegrityError:
+            return None
+
+    def hellos(self) -> dict[int, Hello]:
+        out = {}
+        for rank in range(1, self.world):
+            hello = self._safe(lambda r=rank: self.files.hello(r))  # type: ignore[misc]
+            if hello is not None and hello.rank == rank and not hello_dead(hello):
+                out[rank] = hello
+        return out
+
+    def lost(self, rank: int, incarnation: str) -> str:
+        try:
+            hello = self.files.hello(rank)
+        except IntegrityError as exc:
+            return f"left an unreadable hello file ({exc})"
+        if hello is None:
+            return "closed (its hello file is gone)"
+        if hello.incarnation != incarnation:
+            return f"restarted ({who(hello)})"
+        if hello_dead(hello):
+            return f"died ({who(hello)})"
+        return ""
+
+    def post_plan(self, plan: Plan) -> None:
+        self._plan = plan
+        self._write()
+
+    def dones(self, attempt: str) -> dict[int, Done]:
+        out = {}
+        for rank in range(1, self.world):
+            done = self._safe(
+                lambda r=rank: self.files.read(rank_path(self.directory, r), Done.from_json))  # type: ignore[misc]
+            if done is not None and done.rank == rank and done.attempt == attempt:
+                out[rank] = done
+        return out
+
+    def post_outcome(self, outcome: Outcome) -> None:
+        self._outcomes = [*self._outcomes, outcome][-KEPT_OUTCOMES:]
+        self._write()
+
+    def _write(self) -> None:
+        self.files.write(self.directory / PENDING, Pending(self._plan, self._outcomes).to_json())
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(min(seconds, self.poll_interval))
+
+
+class MemberFiles:
+    """The side of rank ``rank`` (a
+    :class:`~weightsync.transports.ranks.board.MemberBoard`)."""
+
+    def __init__(self, directory: Path, mode: int, rank: int, poll_interval: float) -> None:
+        self.files = RankFiles(directory, mode)
+        self.directory, self.rank, self.poll_interval = directory, rank, poll_interval
+        self._manifests = ManifestCache(directory)
+        self._versions: dict[str, int] = {}  # attempt -> version, of the plans seen
+        self._lead_seen = False
+        self.posted: Hello | None = None
+
+    def post_hello(self, hello: Hello) -> None:
+        """Write this rank's hello, unless another live process holds the rank: a second
+        claimant is refused, saying so (judged by pid where both share a pid namespace)."""
+        try:
+            held = self.files.hello(self.rank)
+        except IntegrityError:
+            held = None
+        why = claim_refused(held, hello)
+        if why:
+            raise WeightSyncError(f"{why} (in {self.directory})")
+        self.files.write(hello_path(self.directory, self.rank), hello.to_json())
+        self.posted = hello
+
+    def post_done(self, done: Done) -> None:
+        self.files.write(rank_path(self.directory, self.rank), done.to_json())
+
+    def _pending(self) -> Pending | None:
+        try:
+            return self.files.pending()
+        except IntegrityError:
+            return None
+
+    def plans(self) -> list[Plan]:
+        pending = self._pending()
+        if pending is None or pending.plan is None:
+            return []
+        self._versions[pending.plan.attempt] = pending.plan.version
+        return [pending.plan]
+
+    def outcome(self, attempt: str) -> Outcome | None:
+        pending = self._pending()
+        found = None if pending is None else pending.outcome(attempt)
+        if found is not None:
+            return found
+        version = self._versions.get(attempt)
+        if version is not None:  # rank 0 committed it, and may have moved on since
+            try:
+                manifest = self._manifests.read()
+            except IntegrityError:
+                manifest = None
+            if manifest is not None and manifest.latest.version >= version:
+                return Outcome(attempt, version, True)
+        return None
+
+    def lead_lost(self) -> str:
+        if sender_alive(self.directory):
+            self._lead_seen = True
+            return ""
+        if self._lead_seen:
+            return f"released {self.directory}/sender.lock (it died or closed)"
+        return ""
+
+    def wait(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(min(seconds, self.poll_interval))
+
+    def withdraw(self) -> None:
+        """Remove this rank's hello if it is still this process's (rank 0 then waits for
+        a new one)."""
+        try:
+            hello = self.files.hello(self.rank)
+        except IntegrityError:
+            return
+        if self.posted is not None and hello is not None \
+                and hello.incarnation == self.posted.incarnation:
+            self.files.remove(hello_path(self.directory, self.rank))

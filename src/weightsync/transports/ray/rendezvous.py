@@ -3,11 +3,13 @@ name. It holds the group's public connection info (never the token) and the hand
 actors that announced themselves; it dies with the trainer's node, which is how receivers
 learn that their sender is gone.
 
-With a sharded trainer (``trainer_ranks > 1``) it is also the board through which rank 0
-tells ranks 1..N-1 what to send and they answer (``transports/ray/sharded_rank.py``): no
+With a sharded trainer (``trainer_ranks > 1``) it is also the rank protocol's board
+(``transports/ranks/``): ranks 1..N-1 post their hellos and dones, rank 0 its plans and
+outcomes, all as the protocol's JSON records (``sharded_lead.py``, ``sharded_rank.py``); no
 collective on the user's process group is needed. It is owned by rank 0's process, so it
 dies with it, which is how the other ranks learn that rank 0 is gone. The board holds no
-secret; what crosses the group is authenticated by the group itself."""
+secret and Ray calls are not authenticated by weightsync (docs/security.md); what crosses
+the group is authenticated by the group itself."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ class Rendezvous:
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.joining: dict[int, int] = {}
         self.committed = -1
+        #: the group generation of the newest plan that named one: a newer generation is
+        #: being built (ranks join it); this one or an older is in use, or dead
+        self.planned_generation = -1
 
     def set_group(self, info: dict[str, Any], layout: dict[str, Any]) -> None:
         self.info, self.layout = info, layout
@@ -49,8 +54,27 @@ class Rendezvous:
         return True
 
     # ------------------------------------------------ sharded trainers (the rank board)
-    def post_hello(self, rank: int, hello: dict[str, Any]) -> None:
-        self.hellos[rank] = hello
+    def post_hello(self, rank: int, hello: dict[str, Any]) -> str:
+        """Rank ``rank``'s hello (a record of ``transports/ranks``), unless another live
+        process holds the rank: then why it is refused, and nothing changes."""
+        from weightsync.core.errors import IntegrityError
+        from weightsync.transports.ranks.liveness import claim_refused
+        from weightsync.transports.ranks.records import Hello
+
+        try:
+            claimant = Hello.from_json(hello, f"trainer rank {rank}'s hello")
+            held = None if rank not in self.hellos else Hello.from_json(self.hellos[rank], "")
+        except IntegrityError as exc:
+            return f"trainer rank {rank}: {exc}"
+        why = claim_refused(held, claimant)
+        if not why:
+            self.hellos[rank] = hello
+        return why
+
+    def withdraw_hello(self, rank: int, incarnation: str) -> None:
+        """Rank ``rank`` closed: forget its hello if it is still that incarnation's."""
+        if self.hellos.get(rank, {}).get("incarnation") == incarnation:
+            del self.hellos[rank]
 
     def get_hellos(self) -> dict[int, dict[str, Any]]:
         return dict(self.hellos)
@@ -63,6 +87,9 @@ class Rendezvous:
 
     def post_plan(self, plan: dict[str, Any]) -> None:
         self.plan = plan
+        generation = (plan.get("detail") or {}).get("generation")
+        if isinstance(generation, int):  # not a plan that failed before it began
+            self.planned_generation = generation
         self.dones[plan["attempt"]] = {}
         for old in list(self.dones)[:-4]:
             del self.dones[old]
@@ -76,8 +103,8 @@ class Rendezvous:
 
     def post_outcome(self, attempt: str, outcome: dict[str, Any]) -> None:
         self.outcomes[attempt] = outcome
-        if outcome.get("committed") is not None:
-            self.committed = max(self.committed, int(outcome["committed"]))
+        if outcome.get("committed") is True:
+            self.committed = max(self.committed, int(outcome["version"]))
         for old in list(self.outcomes)[:-8]:
             del self.outcomes[old]
 
@@ -86,7 +113,7 @@ class Rendezvous:
         plan = self.plan
         outcome = None if plan is None else self.outcomes.get(plan["attempt"])
         return {"info": self.info, "plan": plan, "outcome": outcome,
-                "committed": self.committed}
+                "committed": self.committed, "planned_generation": self.planned_generation}
 
     def get_outcome(self, attempt: str) -> dict[str, Any] | None:
         return self.outcomes.get(attempt)

@@ -1,28 +1,27 @@
-"""Rank 0 of a sharded trainer on the Ray scheme: the coordinator.
+"""Rank 0 of a sharded trainer on the Ray scheme: the rank protocol's lead
+(:mod:`weightsync.transports.ranks.lead`) over the rendezvous actor, plus Ray's data plane.
 
 Rank 0 is a :class:`~weightsync.transports.ray.writer.RayWriter` that never holds the whole
 model. It owns the actor handles, the group generations (group ranks ``0..N-1`` are the
-trainer's ranks, the relay actors follow) and the rendezvous actor, which doubles as the
-board through which ranks 1..N-1 learn each generation and each version's plan and report
-back (``sharded_rank.py``): no collective ever runs on the user's process group.
+trainer's ranks, the relay actors follow) and the rendezvous actor, which is also the
+board through which ranks 1..N-1 post their hellos and dones and read rank 0's plans and
+outcomes (``sharded_rank.py``): no collective ever runs on the user's process group.
 
-Version n: rank 0 checks every rank's announced layout and regions (once per change:
-``SchemaMismatchError`` naming rank and key, before any byte is sent), builds a generation
-if there is none, posts the plan (version, attempt, generation, relays), signals every
-relay actor, sends its own pieces (``shard_stream``) and waits for every rank's done
-record and every actor's answer. A rank whose record is missing at rank 0's deadline (less
-a margin, so the others hear it before theirs ends), or whose stream a relay saw break, is
-:class:`TrainerRankLostError`: the outcome posted says so, so every rank raises the same,
-no actor takes the version (a relay stages a version only once every rank's stream
-arrived whole and verified), and the next send rebuilds the group.
+Version n: rank 0 meets the ranks (layouts and cover checked once per change), builds a
+generation if there is none, posts the plan (the generation, the relays, the chunk size),
+signals every relay actor, sends its own pieces (``shard_stream``) and waits for every
+rank's done and every relay's answer. A rank lost meanwhile (a relay saw its stream break
+and it posted no done, it died, or it is silent at ``deadline.ahead()``) fails the version
+for everyone; no actor takes it (a relay stages a version only once every rank's stream
+arrived whole and verified), and the next send rebuilds the group. A failed version is not
+counted: the next committed one has its number.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,16 +29,19 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.endpoints import Losses
 from weightsync.core.errors import (
-    SchemaMismatchError,
+    IntegrityError,
     TrainerRankLostError,
     WeightSyncError,
     WorkerLostError,
 )
 from weightsync.core.layout import Layout
-from weightsync.core.shards import check_cover, describe_regions, local_pieces
+from weightsync.core.shards import describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.ranks.lead import RankLead
+from weightsync.transports.ranks.liveness import hello_dead, who
+from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 from weightsync.transports.ray import shard_stream
-from weightsync.transports.ray.members import BROADCAST_SHARE, share
+from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
 from weightsync.transports.ray.shard_stream import send_pieces
 from weightsync.transports.ray.writer import RayWriter, _Flight
 
@@ -49,8 +51,70 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.02
 
 
-class ShardedLeadWriter(RayWriter):
-    """Rank 0 of ``trainer_ranks`` ranks: coordinates, and sends its own pieces."""
+class RayLeadBoard:
+    """The rank board on the rendezvous actor, rank 0's side (a
+    :class:`~weightsync.transports.ranks.board.LeadBoard`). ``broken``: the ranks whose
+    stream a relay saw break in the attempt under way (the data plane's word)."""
+
+    def __init__(self, members: RayMembers, world: int) -> None:
+        self.members, self.world = members, world
+        self.broken: dict[int, str] = {}
+        self.watch: Callable[[], None] | None = None  # polls the relays while they take
+
+    def call(self, method: str, *args: Any, timeout: float | None = 5.0) -> Any:
+        members = self.members
+        return members._ray.get(getattr(members.rendezvous, method).remote(*args),
+                                timeout=timeout)
+
+    def _all_hellos(self) -> dict[int, Hello]:
+        out = {}
+        for rank, raw in self.call("get_hellos").items():
+            try:
+                out[int(rank)] = Hello.from_json(raw, f"trainer rank {rank}'s hello")
+            except IntegrityError as exc:
+                logger.warning("%s: ignored", exc)
+        return out
+
+    def hellos(self) -> dict[int, Hello]:
+        return {r: h for r, h in self._all_hellos().items()
+                if 1 <= r < self.world and not hello_dead(h)}
+
+    def lost(self, rank: int, incarnation: str) -> str:
+        hello = self._all_hellos().get(rank)
+        if hello is None:
+            return "closed"
+        if hello.incarnation != incarnation:
+            return f"restarted ({who(hello)})"
+        if hello_dead(hello):
+            return f"died ({who(hello)})"
+        if rank in self.broken:
+            return f"broke off its stream ({self.broken[rank]})"
+        return ""
+
+    def post_plan(self, plan: Plan) -> None:
+        self.broken = {}
+        self.call("post_plan", plan.to_json())
+
+    def dones(self, attempt: str) -> dict[int, Done]:
+        out = {}
+        for rank, raw in self.call("get_dones", attempt).items():
+            try:
+                out[int(rank)] = Done.from_json(raw, f"trainer rank {rank}'s done")
+            except IntegrityError as exc:
+                logger.warning("%s: ignored", exc)
+        return out
+
+    def post_outcome(self, outcome: Outcome) -> None:
+        self.call("post_outcome", outcome.attempt, outcome.to_json())
+
+    def wait(self, seconds: float) -> None:
+        if self.watch is not None:
+            self.watch()
+        time.sleep(min(seconds, POLL_S))
+
+
+class RayLeadWriter(RayWriter):
+    """Rank 0 of ``trainer_ranks`` ranks: leads the rank protocol, and sends its own pieces."""
 
     sharded = True
 
@@ -58,108 +122,70 @@ class ShardedLeadWriter(RayWriter):
         super().__init__(trainer_ranks=trainer_ranks, **options)
         self.trainer_ranks = trainer_ranks
         self.joined_at = NO_VERSION
-        self.committed = NO_VERSION
-        self._checked: dict[int, str] = {}  # rank -> the hello nonce whose layout was checked
+        #: the version published (the sender reads it), back to the last committed one if
+        #: that version fails after publish (the sender then does not count it)
+        self.committed = self._last_committed = NO_VERSION
+        self.board = RayLeadBoard(self.members, trainer_ranks)
+        self.lead = RankLead(self.board, trainer_ranks)
         self._regions: dict[int, dict[str, list[int]]] = {}
         self._pieces: list[Any] = []
-        self._attempt = ""
+        self._plan: Plan | None = None
         self._own_error: str | None = None
-        self._chunk_bytes = shard_stream.CHUNK_BYTES
-
-    # ------------------------------------------------------------------ the ranks
-    def _board(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        return self.members._ray.get(getattr(self.members.rendezvous, method).remote(*args),
-                                     timeout=timeout)
-
-    def _check_ranks(self, layout: Layout, regions: dict[str, list[int]], version: int,
-                     deadline: Deadline) -> None:
-        """Wait for every rank's hello; a layout that differs from ours, or regions that do
-        not tile every tensor exactly once, are refused naming rank and key (posted, so the
-        other ranks raise the same)."""
-        while True:
-            hellos = self._board("get_hellos", timeout=deadline.remaining())
-            missing = [r for r in range(1, self.trainer_ranks) if r not in hellos]
-            if not missing:
-                break
-            if deadline.expired():
-                raise TrainerRankLostError(
-                    f"trainer rank(s) {missing} did not connect within {deadline} (version "
-                    f"{version}): start every rank, each calling create_sender(rank=r), "
-                    "register_model() and send()", rank=missing[0])
-            time.sleep(deadline.slice(0.05))
-        nonces = {r: str(h["nonce"]) for r, h in hellos.items()}
-        if self._checked == nonces and self._regions.get(0) == regions:
-            return
-        try:
-            for r in range(1, self.trainer_ranks):
-                theirs = Layout.from_dict(hellos[r]["layout"])
-                layout.check_compatible(theirs, self_name="trainer rank 0",
-                                        other_name=f"trainer rank {r}")
-            regions_by_rank = {0: regions} | {r: hellos[r]["regions"]
-                                              for r in range(1, self.trainer_ranks)}
-            check_cover(layout, regions_by_rank)
-        except SchemaMismatchError as exc:
-            self._fail(version, {"type": "schema", "message": str(exc), "key": exc.key})
-            raise
-        self._checked, self._regions = nonces, regions_by_rank
-
-    def _fail(self, version: int, failure: dict[str, Any]) -> None:
-        """Post a failed attempt of ``version`` (the other ranks raise ``failure``)."""
-        attempt = self._attempt or secrets.token_hex(8)
-        if not self._attempt:
-            self._board("post_plan", {"version": version, "attempt": attempt, "generation": -1,
-                                      "relays": [], "nonces": {}}, timeout=5)
-        self._board("post_outcome", attempt, {"failed": failure}, timeout=5)
-        self._attempt = ""
+        self._built_for: dict[int, str] = {}  # the rank incarnations the group was built with
 
     # ------------------------------------------------------------------ publish
     def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> Losses:
+        """Meet the ranks, build a generation if needed, and post the plan."""
         members = self.members
-        self.committed = version
-        self._attempt = ""
-        members.take_announcements(deadline)
-        self._prepare(layout)
-        assert self._layout is not None and self._wire_layout is not None
-        self._pieces = local_pieces(flat, 0)
-        self._check_ranks(layout, describe_regions(self._pieces), version, deadline)
-        dead: Losses = {}
-        silent: Losses = {}
-        if members.group is None:
-            budget = share(deadline, BROADCAST_SHARE)
-            try:
-                dead, silent = members.build(self._layout, None, budget or self._timeout,
-                                             deadline, relay=self.backend == "gloo")
-            except WorkerLostError as exc:
-                self._blame_join(version, exc)
-                raise
-            silent = {w: why for w, why in silent.items() if w not in members.reported}
-            # a rank restarted meanwhile announced itself before it joined: check it now
-            self._check_ranks(layout, describe_regions(self._pieces), version, deadline)
-        assert members.group is not None
-        keep = [w for w in requested if w not in members.reported]
-        dead |= {w: "not a member of the group" for w in keep
-                 if w not in members.members and w not in dead and w not in silent}
-        self._attempt = secrets.token_hex(8)
-        self._chunk_bytes = shard_stream.CHUNK_BYTES
-        plan = {"version": version, "attempt": self._attempt,
+        try:
+            members.take_announcements(deadline)
+            self._prepare(layout)
+            assert self._layout is not None and self._wire_layout is not None
+            self._pieces = local_pieces(flat, 0)
+            own = describe_regions(self._pieces)
+            self.lead.meet(layout, own, version, deadline)
+            dead: Losses = {}
+            silent: Losses = {}
+            if self.lead.met != self._built_for:
+                members.group = None  # a rank restarted: its new process joins a new one
+            if members.group is None:
+                budget = share(deadline, BROADCAST_SHARE)
+                try:
+                    dead, silent = members.build(self._layout, None, budget or self._timeout,
+                                                 deadline, relay=self.backend == "gloo")
+                except WorkerLostError as exc:
+                    raise self._blame_join(version, exc) from exc
+                silent = {w: why for w, why in silent.items() if w not in members.reported}
+                # a rank restarted meanwhile announced itself before it joined: meet it now
+                self.lead.meet(layout, own, version, deadline)
+                self._built_for = dict(self.lead.met)
+            assert members.group is not None
+            self._regions = {0: own} | {r: h.regions for r, h in self.board.hellos().items()}
+            keep = [w for w in requested if w not in members.reported]
+            dead |= {w: "not a member of the group" for w in keep
+                     if w not in members.members and w not in dead and w not in silent}
+            self._plan = self.lead.begin(version, {
                 "generation": members.group.info.generation,
-                "relays": sorted(members.group.info.ranks.values()), "nonces": self._checked,
-                "chunk_bytes": self._chunk_bytes}
-        self._board("post_plan", plan, timeout=deadline.remaining())
+                "relays": sorted(members.group.info.ranks.values()),
+                "chunk_bytes": shard_stream.CHUNK_BYTES})
+        except BaseException as exc:
+            self.lead.fail(version, exc)
+            raise
         self._flight = _Flight(version, {}, silent)
+        self.committed = version
         return dead
 
-    def _blame_join(self, version: int, exc: WorkerLostError) -> None:
+    def _blame_join(self, version: int, exc: WorkerLostError) -> BaseException:
         """The group could not be built: a rank that never started joining is lost."""
-        joining = self._board("get_joining", timeout=5)
+        joining = self.board.call("get_joining")
         generation = self.members._generation
         for r in range(1, self.trainer_ranks):
             if joining.get(r) != generation:
-                message = (f"trainer rank {r} did not join group generation {generation} for "
-                           f"version {version} ({exc})")
-                self._fail(version, {"type": "lost", "rank": r, "message": message})
-                raise TrainerRankLostError(message, rank=r) from exc
+                return TrainerRankLostError(
+                    f"trainer rank {r} did not join group generation {generation} for "
+                    f"version {version} ({exc})", rank=r)
+        return exc
 
     def republish(self, requested: list[int], version: int, deadline: Deadline) -> Losses:
         raise NotImplementedError(
@@ -168,28 +194,35 @@ class ShardedLeadWriter(RayWriter):
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
         """Signal every relay actor, then send rank 0's own pieces to each."""
-        flight, members = self._flight, self.members
-        assert flight is not None and flight.version == version
+        flight, members, plan = self._flight, self.members, self._plan
+        assert flight is not None and flight.version == version and plan is not None
         assert members.group is not None and self._wire_layout is not None
         group = members.group
         flight.sent = True
         flight.keep = {w for w in targets if w not in members.reported}
         budget = share(deadline, BROADCAST_SHARE)
+        chunk_bytes = int(plan.detail["chunk_bytes"])
         delivery = {"generation": group.info.generation, "checked": True,
                     "timeout_s": None if budget is None else budget * 0.95,
-                    "sharded": {"regions": self._regions, "chunk_bytes": self._chunk_bytes}}
+                    "sharded": {"regions": self._regions, "chunk_bytes": chunk_bytes}}
         flight.delivery = delivery
-        for w, h in members.members.items():
-            if w in members.followers:
-                continue  # signalled with its relay's answer
-            followers = [f for f in members.relays_of(w) if f in flight.keep]
-            flight.refs[w] = h._weightsync_receive.remote(
-                version, w in flight.keep, None,
-                delivery | {"relay": followers} if followers else delivery)
+        try:
+            for w, h in members.members.items():
+                if w in members.followers:
+                    continue  # signalled with its relay's answer
+                followers = [f for f in members.relays_of(w) if f in flight.keep]
+                flight.refs[w] = h._weightsync_receive.remote(
+                    version, w in flight.keep, None,
+                    delivery | {"relay": followers} if followers else delivery)
+        except BaseException as exc:
+            self._flight = None
+            self.committed = self._last_committed
+            self.lead.fail(version, exc)
+            raise
         self._own_error = None
         try:
             send_pieces(group, self._pieces, self._wire_layout, self._regions[0],
-                        sorted(group.info.ranks.values()), version, budget, self._chunk_bytes)
+                        sorted(group.info.ranks.values()), version, budget, chunk_bytes)
         except RuntimeError as exc:
             logger.warning("trainer rank 0: sending version %d failed: %s", version, exc)
             self._own_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -198,47 +231,37 @@ class ShardedLeadWriter(RayWriter):
     # ------------------------------------------------------------------ wait
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: Losses) -> None:
-        """Every rank's done record and every relay's answer; a lost rank fails the version
-        for everyone (posted), else it is committed and the actors' answers are judged as
-        for an unsharded trainer."""
-        flight = self._flight
-        assert flight is not None and flight.version == version
-        lost_rank, why, failures = self._wait_ranks(flight, deadline)
-        if lost_rank is not None or failures:
+        """Every rank's done and every relay's answer; a lost rank or a failed stream fails
+        the version for everyone (posted), else it is committed and the actors' answers are
+        judged as for an unsharded trainer."""
+        flight, plan = self._flight, self._plan
+        assert flight is not None and flight.version == version and plan is not None
+        try:
+            failures = self._wait_ranks(flight, plan, deadline)
+            if failures:
+                raise WeightSyncError(
+                    f"version {version} failed: {'; '.join(failures)}; no worker takes it, "
+                    "they keep the version they hold (the group is rebuilt at the next send)")
+        except BaseException as exc:
             self._flight = None
+            self.committed = self._last_committed  # not counted by the sender
             self.members.group = None  # rebuilt (with every rank) at the next send
-            if lost_rank is not None:
-                message = (f"trainer rank {lost_rank} was lost while sending version "
-                           f"{version} ({why}); no worker takes it, they keep the version "
-                           "they hold")
-                self._fail(version, {"type": "lost", "rank": lost_rank, "message": message})
-            else:
-                message = (f"version {version} failed: {'; '.join(failures)}; no worker takes "
-                           "it, they keep the version they hold (the group is rebuilt at "
-                           "the next send)")
-                self._fail(version, {"type": "failed", "message": message})
+            self.lead.fail(version, exc)
             self._answers_after_failure(flight, deadline)
-            if lost_rank is not None:
-                raise TrainerRankLostError(message, rank=lost_rank)
-            raise WeightSyncError(message)
-        self._board("post_outcome", self._attempt, {"committed": version},
-                    timeout=deadline.remaining())
-        self._attempt = ""
+            raise
+        self.lead.commit()
+        self._last_committed = version
         super().wait_acked(targets, version, deadline, lost)
 
-    def _wait_ranks(self, flight: _Flight,
-                    deadline: Deadline) -> tuple[int | None, str, list[str]]:
-        """Until every rank 1..N-1 reported and every relay answered: the first rank lost
-        (a relay saw its stream break and it did not report done, or it is silent at the
-        deadline less a margin, ``Deadline.ahead``) with why, and what failed otherwise (a rank's own
-        send, a relay's stream: the version cannot be whole)."""
+    def _wait_ranks(self, flight: _Flight, plan: Plan, deadline: Deadline) -> list[str]:
+        """Every rank's done (a rank lost meanwhile raises), then every relay's answer
+        until ``deadline.ahead()``; returns what failed (a rank's or rank 0's own stream, a
+        relay's: the version cannot be whole)."""
         ray = self.members._ray
-        ahead = deadline.ahead()
         refs = list(flight.refs.values())
-        while True:
-            dones = self._board("get_dones", self._attempt, timeout=deadline.remaining())
+
+        def watch() -> None:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-            broken: dict[int, str] = {}
             for ref in ready:
                 try:
                     answer = ray.get(ref, timeout=0)
@@ -246,25 +269,22 @@ class ShardedLeadWriter(RayWriter):
                     continue
                 if isinstance(answer, dict):
                     for r in answer.get("lost_ranks") or []:
-                        broken.setdefault(int(r), str(answer.get("refused")))
-            for r in range(1, self.trainer_ranks):  # a rank that reported is alive
-                if r in broken and r not in dones:
-                    return r, broken[r], []
-            finished = len(dones) >= self.trainer_ranks - 1 and len(ready) == len(refs)
-            if not finished and ahead.expired():
-                missing = [r for r in range(1, self.trainer_ranks) if r not in dones]
-                if missing:
-                    return missing[0], (f"it did not finish its part within {deadline} "
-                                        "(dead, stopped or too slow)"), []
-                finished = True  # the ranks are done; the actors are judged as usual
-            if finished:
-                failures = [f"trainer rank {r}: {d['error']}" for r, d in sorted(dones.items())
-                            if d.get("error")]
-                if self._own_error is not None:
-                    failures.insert(0, f"trainer rank 0: {self._own_error}")
-                failures += [f"a relay: {why}" for why in broken.values()]
-                return None, "", failures
-            time.sleep(POLL_S)
+                        self.board.broken.setdefault(int(r), str(answer.get("refused")))
+
+        self.board.watch = watch
+        try:
+            dones = self.lead.wait_done(plan, deadline)
+        finally:
+            self.board.watch = None
+        if refs:
+            ahead = deadline.ahead()
+            ray.wait(refs, num_returns=len(refs), timeout=ahead.remaining())
+            watch()
+        failures = [f"trainer rank {r}: {d.detail['error']}" for r, d in sorted(dones.items())
+                    if d.detail.get("error")]
+        if self._own_error is not None:
+            failures.insert(0, f"trainer rank 0: {self._own_error}")
+        return failures + [f"a relay: {why}" for why in self.board.broken.values()]
 
     def _answers_after_failure(self, flight: _Flight, deadline: Deadline) -> None:
         """Let the relays' takes finish (they fail: their stream broke) so they are free for

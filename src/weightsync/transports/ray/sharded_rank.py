@@ -1,22 +1,21 @@
-"""Ranks 1..N-1 of a sharded trainer on the Ray scheme.
+"""Ranks 1..N-1 of a sharded trainer on the Ray scheme: the rank protocol's member
+(:mod:`weightsync.transports.ranks.member`) over rank 0's rendezvous actor, plus Ray's data
+plane.
 
 Such a rank is a process connected to the Ray cluster that holds only its shards. It finds
 rank 0's rendezvous actor by name (in the scheme's namespace, since the ranks are separate
-Ray jobs), announces its global layout and the regions it writes (its *hello*, posted again
-when it registers another model), and for each version polls the board: it joins each new
-group generation as group rank ``rank`` (group ranks ``0..N-1`` are the trainer's ranks),
-waits for the plan of a version ``>=`` its own (a rank that fell behind writes the version
-rank 0 is at: ``committed``), streams its pieces to every relay actor (``shard_stream``),
-reports done, and returns once rank 0 posted the version's outcome: committed, or failed
-(the same :class:`TrainerRankLostError` / :class:`SchemaMismatchError` as rank 0 raises).
-The rendezvous actor dies with rank 0's process: that is :class:`TrainerRankLostError`
-naming rank 0.
+Ray jobs) and posts its hello (a second live process claiming the same rank is refused).
+While it waits for a plan it joins each new group generation as group rank ``rank`` (group
+ranks ``0..N-1`` are the trainer's ranks); for the plan that names it, it streams its pieces
+to every relay actor (``shard_stream``), posts its done (with the error its stream hit, if
+any) and returns once rank 0 posted the outcome. The rendezvous actor dies with rank 0's
+process: that is :class:`TrainerRankLostError` naming rank 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -27,13 +26,15 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.endpoints import Losses
 from weightsync.core.errors import (
     IntegrityError,
-    SchemaMismatchError,
     TrainerRankLostError,
     WeightSyncError,
 )
 from weightsync.core.layout import Layout
 from weightsync.core.shards import describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.ranks.liveness import process_detail
+from weightsync.transports.ranks.member import RankMember
+from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
 from weightsync.transports.ray.group import GroupInfo, WeightGroup
 from weightsync.transports.ray.shard_stream import send_pieces
 
@@ -41,6 +42,123 @@ logger = logging.getLogger(__name__)
 
 #: how often a rank looks at the board while it waits
 POLL_S = 0.02
+#: how long one call to the board may take before rank 0 is judged gone
+CALL_TIMEOUT_S = 10.0
+
+
+class RayMemberBoard:
+    """Rank ``rank``'s side of the board on rank 0's rendezvous actor (a
+    :class:`~weightsync.transports.ranks.board.MemberBoard`); joining group generations is
+    the data plane beside it."""
+
+    def __init__(self, rank: int, secret: str, rendezvous_name: str, namespace: str) -> None:
+        import ray
+
+        self._ray, self.rank, self.secret = ray, rank, secret
+        self.rendezvous_name, self.namespace = rendezvous_name, namespace
+        self.actor: Any = None
+        self.group: WeightGroup | None = None
+        self._tried_generation = 0  # the newest generation this rank tried to join
+        self._snapshot: dict[str, Any] = {}
+
+    def find(self, deadline: Deadline) -> int:
+        """Find rank 0's rendezvous actor (rank 0 may start later); returns the newest
+        version committed."""
+        while True:
+            try:
+                self.actor = self._ray.get_actor(self.rendezvous_name, namespace=self.namespace)
+                break
+            except ValueError:
+                if deadline.expired():
+                    raise TrainerRankLostError(
+                        f"trainer rank {self.rank}: rank 0's rendezvous actor "
+                        f"{self.rendezvous_name!r} (namespace {self.namespace!r}) did not "
+                        f"appear within {deadline}: is rank 0 running, with the same "
+                        "scheme?", rank=0) from None
+                time.sleep(deadline.slice(0.1))
+        return int(self._call("board")["committed"])
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """One call to the board; rank 0's rendezvous actor gone is rank 0 lost."""
+        ray = self._ray
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError as exc:
+            raise TrainerRankLostError(
+                f"trainer rank {self.rank}: rank 0 is gone (its rendezvous actor "
+                f"{self.rendezvous_name!r} died: {type(exc).__name__})", rank=0) from None
+        except ray.exceptions.GetTimeoutError:
+            raise TrainerRankLostError(
+                f"trainer rank {self.rank}: rank 0's rendezvous actor did not answer within "
+                f"{CALL_TIMEOUT_S} s", rank=0) from None
+
+    # ------------------------------------------------------------------ the board
+    def post_hello(self, hello: Hello) -> None:
+        why = self._call("post_hello", self.rank, hello.to_json())
+        if why:
+            raise WeightSyncError(f"trainer rank {self.rank} was refused by rank 0: {why}")
+
+    def withdraw(self, hello: Hello) -> None:
+        if self.actor is not None:
+            with contextlib.suppress(Exception):
+                self._ray.get(self.actor.withdraw_hello.remote(self.rank, hello.incarnation),
+                              timeout=2)
+
+    def plans(self) -> list[Plan]:
+        raw = self._look()["plan"]
+        try:
+            return [] if raw is None else [Plan.from_json(raw, "rank 0's plan")]
+        except IntegrityError as exc:
+            logger.warning("%s: ignored", exc)
+            return []
+
+    def outcome(self, attempt: str) -> Outcome | None:
+        plan, raw = self._snapshot.get("plan"), self._snapshot.get("outcome")
+        if raw is None or plan is None or plan.get("attempt") != attempt:
+            raw = self._call("get_outcome", attempt)
+        return None if raw is None else Outcome.from_json(raw, "rank 0's outcome")
+
+    def post_done(self, done: Done) -> None:
+        self._call("post_done", self.rank, done.attempt, done.to_json())
+
+    def lead_lost(self) -> str:
+        return ""  # every call raises once the rendezvous actor died with rank 0
+
+    def wait(self, seconds: float) -> None:
+        self._look()
+        if seconds > 0:
+            time.sleep(min(seconds, POLL_S))
+
+    def _look(self) -> dict[str, Any]:
+        """The board now; join a new generation being built (one no plan named yet: rank
+        0 waits for every rank; one a plan named is in use or, failed, dead)."""
+        snapshot = self._snapshot = self._call("board")
+        info, planned = snapshot["info"], int(snapshot.get("planned_generation", -1))
+        if info is not None and int(info["generation"]) > self._tried_generation \
+                and planned < int(info["generation"]):
+            self._join(info)
+        return snapshot
+
+    # ------------------------------------------------------------------ the data plane
+    def _join(self, info: dict[str, Any]) -> None:
+        """Join group generation ``info`` as group rank ``rank`` (blocks until every member
+        joined, within the generation's timeout)."""
+        generation = int(info["generation"])
+        self._tried_generation = generation
+        self.drop_group()
+        self._call("post_joining", self.rank, generation)
+        try:
+            self.group = WeightGroup(GroupInfo(**(dict(info) | {"secret": self.secret})),
+                                     self.rank)
+        except (RuntimeError, IntegrityError) as exc:
+            logger.warning("trainer rank %d could not join group generation %d: %s",
+                           self.rank, generation, exc)
+            self.group = None
+
+    def drop_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 class RankRayWriter:
@@ -51,171 +169,55 @@ class RankRayWriter:
 
     def __init__(self, *, rank: int, secret: str, rendezvous_name: str, namespace: str,
                  dtype: torch.dtype | None) -> None:
-        import ray
-
-        self._ray = ray
         self.rank = rank
-        self.secret = secret
-        self.rendezvous_name = rendezvous_name
-        self.namespace = namespace
         self.dtype = dtype
         self.joined_at = NO_VERSION
         self.committed = NO_VERSION
-        self._board: Any = None
-        self._group: WeightGroup | None = None
-        self._tried_generation = 0  # the newest generation this rank tried to join
-        self._hello: tuple[str, Any] | None = None  # (fingerprint, regions) announced
-        self._nonce = ""
-        self._seen: set[str] = set()  # attempts this rank took part in or was told about
+        self.board = RayMemberBoard(rank, secret, rendezvous_name, namespace)
+        self.member = RankMember(self.board, rank)
 
-    # ------------------------------------------------------------------ lifecycle
     def start(self, deadline: Deadline) -> None:
-        """Find rank 0's rendezvous actor (rank 0 may start later), and the newest version
-        committed: a rank that joins late continues from there."""
-        while True:
-            try:
-                self._board = self._ray.get_actor(self.rendezvous_name, namespace=self.namespace)
-                break
-            except ValueError:
-                if deadline.expired():
-                    raise TrainerRankLostError(
-                        f"trainer rank {self.rank}: rank 0's rendezvous actor "
-                        f"{self.rendezvous_name!r} (namespace {self.namespace!r}) did not "
-                        f"appear within {deadline}: is rank 0 running, with the same "
-                        "scheme?", rank=0) from None
-                time.sleep(deadline.slice(0.1))
-        board = self._call("board", deadline)
-        self.joined_at = int(board["committed"])
-        if board["plan"] is not None and board["outcome"] is not None:
-            self._seen.add(str(board["plan"]["attempt"]))  # decided before this rank began
+        """Find rank 0's rendezvous actor, and the newest version committed: a rank that
+        joins late continues from there."""
+        self.joined_at = self.board.find(deadline)
 
-    def _call(self, method: str, deadline: Deadline, *args: Any) -> Any:
-        """One call to the board; rank 0's rendezvous actor gone is rank 0 lost."""
-        ray = self._ray
-        try:
-            return ray.get(getattr(self._board, method).remote(*args),
-                           timeout=deadline.remaining())
-        except ray.exceptions.RayActorError as exc:
-            raise TrainerRankLostError(
-                f"trainer rank {self.rank}: rank 0 is gone (its rendezvous actor "
-                f"{self.rendezvous_name!r} died: {type(exc).__name__})", rank=0) from None
-        except ray.exceptions.GetTimeoutError:
-            raise TrainerRankLostError(
-                f"trainer rank {self.rank}: rank 0's rendezvous actor did not answer within "
-                f"{deadline}", rank=0) from None
-
-    # ------------------------------------------------------------------ publish
     def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> Losses:
-        """Write this rank's pieces of the version rank 0 plans (``>= version``) and
-        return once rank 0 committed it; raise what rank 0 raised if it failed."""
+        """Write this rank's pieces of the next version rank 0 plans for it and return once
+        rank 0 committed it; raise what rank 0 raised if it failed."""
         wire = layout.with_dtype(self.dtype).on_device("cpu")
         pieces = local_pieces(flat, self.rank)
         regions = describe_regions(pieces)
-        self._announce(layout, regions, deadline)
-        plan = self._wait_plan(version, deadline)
-        attempt = str(plan["attempt"])
-        self._seen.add(attempt)
-        self.committed = int(plan["version"])
-        error: str | None = None
-        group = self._group
-        if plan.get("nonces", {}).get(self.rank, plan.get("nonces", {}).get(str(self.rank))) \
-                != self._nonce:
-            error = "its layout changed after rank 0 checked it (register_model again?)"
-        elif group is None or group.info.generation != plan["generation"]:
-            error = f"it is not a member of group generation {plan['generation']}"
-        else:
-            left = deadline.remaining()
-            try:
-                send_pieces(group, pieces, wire, regions, plan["relays"], self.committed,
-                            None if left is None else left * 0.9, int(plan["chunk_bytes"]))
-            except RuntimeError as exc:
-                error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if error is not None:
-            logger.warning("trainer rank %d: version %d: %s", self.rank, self.committed, error)
-            self._drop_group()
-        self._call("post_done", deadline, self.rank, attempt, {"error": error})
-        self._wait_outcome(attempt, deadline)
-        return {}
+        known = self.member.hello
+        if known is None or known.fingerprint != layout.fingerprint or known.regions != regions:
+            self.member.announce(Hello(self.rank, new_id(), layout.to_dict(), layout.fingerprint,
+                                       regions, process_detail()))
 
-    def _announce(self, layout: Layout, regions: dict[str, list[int]], deadline: Deadline) -> None:
-        """Post this rank's hello when it is new or changed (another model registered)."""
-        key = (layout.fingerprint, regions)
-        if self._hello == key:
-            return
-        self._nonce = secrets.token_hex(8)
-        self._call("post_hello", deadline, self.rank, {
-            "nonce": self._nonce, "layout": layout.to_dict(), "regions": regions})
-        self._hello = key
+        def write(plan: Plan) -> dict[str, Any]:
+            detail, group, error = plan.detail, self.board.group, None
+            if group is None or group.info.generation != detail.get("generation"):
+                error = f"it is not a member of group generation {detail.get('generation')}"
+            else:
+                left = deadline.remaining()
+                try:
+                    send_pieces(group, pieces, wire, regions, list(detail["relays"]),
+                                plan.version, None if left is None else left * 0.9,
+                                int(detail["chunk_bytes"]))
+                except RuntimeError as exc:
+                    error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if error is not None:
+                logger.warning("trainer rank %d: version %d: %s", self.rank, plan.version, error)
+                self.board.drop_group()
+            return {"error": error}
 
-    def _wait_plan(self, version: int, deadline: Deadline) -> dict[str, Any]:
-        """Join each new generation as it appears; return the first undecided plan of a
-        version ``>= version`` this rank has not taken part in (a decided one it never saw
-        is raised: every rank's send fails the same way)."""
-        while True:
-            board = self._call("board", deadline)
-            info, plan, outcome = board["info"], board["plan"], board["outcome"]
-            # a generation with no plan yet is being built (rank 0 waits for every rank);
-            # one that has a plan is in use or, failed, dead: never joined late
-            if info is not None and int(info["generation"]) > self._tried_generation and (
-                    plan is None or int(plan["generation"]) < int(info["generation"])):
-                self._join(info, deadline)
-            if plan is not None and int(plan["version"]) >= version \
-                    and str(plan["attempt"]) not in self._seen:
-                if outcome is None:  # not a member of its generation: publish says so
-                    return dict(plan)
-                if outcome is not None:
-                    self._seen.add(str(plan["attempt"]))
-                    self._raise_outcome(outcome)
-            if deadline.expired():
-                raise TrainerRankLostError(
-                    f"trainer rank {self.rank}: rank 0 did not plan version {version} within "
-                    f"{deadline} (is it sending?)", rank=0)
-            time.sleep(deadline.slice(POLL_S))
-
-    def _join(self, info: dict[str, Any], deadline: Deadline) -> None:
-        """Join group generation ``info`` as group rank ``rank`` (blocks until every member
-        joined, within the generation's timeout)."""
-        generation = int(info["generation"])
-        self._tried_generation = generation
-        self._drop_group()
-        self._call("post_joining", deadline, self.rank, generation)
         try:
-            self._group = WeightGroup(GroupInfo(**(dict(info) | {"secret": self.secret})),
-                                      self.rank)
-        except (RuntimeError, IntegrityError) as exc:
-            logger.warning("trainer rank %d could not join group generation %d: %s",
-                           self.rank, generation, exc)
-            self._group = None
-
-    def _wait_outcome(self, attempt: str, deadline: Deadline) -> None:
-        while True:
-            outcome = self._call("get_outcome", deadline, attempt)
-            if outcome is not None:
-                self._raise_outcome(outcome)
-                return
-            if deadline.expired():
-                raise TrainerRankLostError(
-                    f"trainer rank {self.rank}: rank 0 did not commit version "
-                    f"{self.committed} within {deadline}", rank=0)
-            time.sleep(deadline.slice(POLL_S))
-
-    def _raise_outcome(self, outcome: dict[str, Any]) -> None:
-        failure = outcome.get("failed")
-        if failure is None:
-            return
-        self._drop_group()
-        message = f"trainer rank {self.rank}: {failure.get('message', 'the version failed')}"
-        if failure.get("type") == "schema":
-            raise SchemaMismatchError(message, key=failure.get("key"))
-        if failure.get("type") == "lost":
-            raise TrainerRankLostError(message, rank=int(failure["rank"]))
-        raise WeightSyncError(message)
-
-    def _drop_group(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+            self.committed = self.member.take_part(write, version, deadline)
+        except WeightSyncError:
+            failed = self.member.failed
+            if failed is not None and "generation" in failed.detail:
+                self.board.drop_group()  # rank 0 builds a new one for the next attempt
+            raise
+        return {}
 
     # ------------------------------------------------------------------ the rest
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
@@ -232,4 +234,6 @@ class RankRayWriter:
         return {}
 
     def close(self) -> None:
-        self._drop_group()
+        self.board.drop_group()
+        if self.member.hello is not None:
+            self.board.withdraw(self.member.hello)

@@ -1,24 +1,33 @@
-"""How the ranks of a sharded trainer meet on one host: rank 0's rank hub and each other
-rank's link to it, authenticated like workers (the scheme's user, the scheme's token,
-proven both ways without sending it), on an address of their own next to the workers'.
+"""The rank protocol's board on one host (:mod:`weightsync.transports.ranks`): rank 0's
+rank hub and each other rank's link to it, socket messages on an address of their own next
+to the workers'.
 
-The conversation is rank 0's: it hands every new slot to the ranks before sealing it
-(``rank.slot``, answered ``rank.mapped``), asks for each version (``rank.write``, answered
-``rank.done``) and then says ``rank.commit`` or ``rank.failed``. A rank says only its
-layout (``rank.layout``, once per connection) and its answers. Nothing here runs on, or
-waits for, the trainer's own process group.
+A rank proves the scheme's *rank key* (never the workers' token, which workers hold) both
+ways without sending it, as a process of the scheme's user. One live connection per rank
+index: a second live claimant is refused, saying so; a rank whose process died may connect
+again (a restart). Records travel as ``rank.hello``/``rank.done`` (rank -> rank 0) and
+``rank.plan``/``rank.outcome`` (rank 0 -> every rank). Beside them, the data plane: rank 0
+hands each new slot to the ranks before sealing it (``rank.slot`` with its fd, answered
+``rank.mapped``) and retires slots a new connection has not mapped (``rank.retire``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-import select
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import TrainerRankLostError, WeightSyncTimeoutError
+from weightsync.core.errors import (
+    IntegrityError,
+    TrainerRankLostError,
+    WeightSyncError,
+)
+from weightsync.core.liveness import process_dying
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local.address import ChannelListener, connect_channel
 from weightsync.transports.local.auth import (
@@ -31,11 +40,14 @@ from weightsync.transports.local.auth import (
     read_frame,
 )
 from weightsync.transports.local.channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
 logger = logging.getLogger(__name__)
 
 #: how long a connecting rank gets for its hello
 HANDSHAKE_TIMEOUT = 5.0
+#: attempts whose records rank 0 and a rank keep (older ones are stale by then)
+KEPT_ATTEMPTS = 8
 
 
 def rank_address(address: str) -> str:
@@ -43,20 +55,37 @@ def rank_address(address: str) -> str:
     return address + ".ranks"
 
 
-class RankHub:
-    """Rank 0's end: admits ranks ``1..world-1`` and talks to them, one call at a time
-    (the sender's); a thread only accepts and authenticates connections."""
+@dataclass
+class _Connection:
+    """One rank process's authenticated connection to rank 0."""
 
-    def __init__(self, address: str, token: str, uid: int, world: int) -> None:
+    rank: int
+    channel: Channel
+    pid: int
+    serial: int
+    hello: Hello | None = None
+    gone: str = ""  # why it can no longer answer ('' while it may)
+    mapped: set[tuple[int, int]] = field(default_factory=set)  # (slot index, request) answered
+
+    def alive(self) -> bool:
+        if not self.gone and process_dying(self.pid):
+            self.gone = f"died (pid {self.pid})"
+        return not self.gone
+
+
+class RankHub:
+    """Rank 0's end (a :class:`~weightsync.transports.ranks.board.LeadBoard`): admits ranks
+    ``1..world-1``, reads each one's records on a thread of its own, and sends rank 0's."""
+
+    def __init__(self, address: str, rank_key: str, uid: int, world: int) -> None:
         self.world = world
-        self._token, self._uid = token, uid
+        self._key, self._uid = rank_key, uid
         self._listener = ChannelListener(rank_address(address))
         self.cond = threading.Condition()
-        self.channels: dict[int, Channel] = {}
-        #: bumped at each (re)join of a rank: a slot mapped by an older connection of a
-        #: rank is not writable by the new one (slots are sealed once handed out)
-        self.generation: dict[int, int] = {}
-        self.checked: set[int] = set()  # ranks whose layout this connection was checked
+        self.connections: dict[int, _Connection] = {}
+        self._dones: dict[str, dict[int, Done]] = {}
+        self._serials = itertools.count(1)
+        self._requests = itertools.count(1)
         #: the newest version committed, told to a rank that joins
         self.committed = NO_VERSION
         self._stop = False
@@ -66,6 +95,7 @@ class RankHub:
     def start(self) -> None:
         self._thread.start()
 
+    # ------------------------------------------------------------------ admitting ranks
     def _accept_loop(self) -> None:
         while not self._stop:
             try:
@@ -88,127 +118,153 @@ class RankHub:
             rank, theirs = hello.get("rank"), hello.get("nonce")
             if (hello.get("t") != "rank.hello" or not isinstance(rank, int)
                     or isinstance(rank, bool) or not isinstance(theirs, str) or len(theirs) > 64
-                    or not proofs_match(rank_proof(self._token, nonce, theirs, rank),
+                    or not proofs_match(rank_proof(self._key, nonce, theirs, rank),
                                         hello.get("proof"))):
-                raise HandshakeError("not a rank of this scheme")
+                raise HandshakeError("not a trainer rank of this scheme (no rank key)")
             if not 1 <= rank < self.world:
                 raise HandshakeError(f"rank {rank} is out of range (trainer_ranks={self.world})")
+            proof = rank_hub_proof(self._key, nonce, theirs, rank)
             with self.cond:
-                channel.send({"t": "rank.welcome", "joined_at": self.committed,
-                              "proof": rank_hub_proof(self._token, nonce, theirs, rank)},
+                old = self.connections.get(rank)
+                if old is not None and old.alive() and not old.channel.peer_closed():
+                    channel.send({"t": "rank.refused", "proof": proof, "error": (
+                        f"trainer rank {rank} is already held by a live process (pid "
+                        f"{old.pid}); a rank index is claimed by one process at a time")},
+                        timeout=deadline.remaining())
+                    raise HandshakeError(f"rank {rank} is already held by pid {old.pid}; "
+                                         f"refused pid {peer.pid}")
+                channel.send({"t": "rank.welcome", "joined_at": self.committed, "proof": proof},
                              timeout=deadline.remaining())
-                old = self.channels.pop(rank, None)
+                connection = _Connection(rank, channel, peer.pid, next(self._serials))
                 if old is not None:
-                    old.close()
-                self.channels[rank] = channel
-                self.generation[rank] = self.generation.get(rank, 0) + 1
-                self.checked.discard(rank)
+                    old.gone = old.gone or f"restarted (pid {peer.pid} took its place)"
+                    old.channel.close()
+                self.connections[rank] = connection
                 self.cond.notify_all()
             logger.info("trainer rank %d joined (pid %d)", rank, peer.pid)
         except (HandshakeError, ChannelClosed, ChannelTimeout, TimeoutError, OSError) as exc:
             logger.warning("refused a trainer-rank connection: %s", exc)
             channel.close()
+            return
+        threading.Thread(target=self._read_loop, args=(connection,), daemon=True,
+                         name=f"weightsync-rank-{rank}").start()
 
-    def wait_all(self, deadline: Deadline) -> dict[int, Channel]:
-        """Every other rank's channel, once all are connected."""
-        with self.cond:
-            while len(self.channels) < self.world - 1:
-                missing = sorted(set(range(1, self.world)) - set(self.channels))
-                if deadline.expired():
-                    raise TrainerRankLostError(
-                        f"trainer rank(s) {missing} did not connect within {deadline} "
-                        f"(trainer_ranks={self.world}: every rank calls "
-                        "scheme.create_sender(rank=r) and connect())", rank=missing[0])
-                self.cond.wait(deadline.slice(0.1))
-            return dict(self.channels)
-
-    def drop(self, rank: int) -> None:
-        """Forget a rank that hung up (it may join again)."""
-        with self.cond:
-            channel = self.channels.pop(rank, None)
-            self.checked.discard(rank)
-        if channel is not None:
-            channel.close()
-
-    def tell(self, header: dict[str, Any], fds: list[int] | None = None,
-             ranks: list[int] | None = None) -> dict[int, str]:
-        """Send ``header`` to each rank (all by default); returns those that hung up."""
-        lost: dict[int, str] = {}
-        with self.cond:
-            targets = {r: c for r, c in self.channels.items() if ranks is None or r in ranks}
-        for rank, channel in targets.items():
+    def _read_loop(self, connection: _Connection) -> None:
+        """Take in one rank's records until its connection ends."""
+        channel, where = connection.channel, f"trainer rank {connection.rank}"
+        while not self._stop and not connection.gone:
             try:
-                channel.send(header, fds=fds or [], timeout=5.0)
+                if not channel.readable(0.2):
+                    continue
+                message = channel.recv(timeout=5.0, max_payload=0)
             except (ChannelClosed, ChannelTimeout, OSError) as exc:
-                lost[rank] = f"hung up ({exc})"
-        return lost
-
-    def collect(self, kind: str, seq: int, ranks: list[int], deadline: Deadline,
-                what: str) -> dict[int, Message]:
-        """Each rank's answer ``kind`` carrying ``seq``; an answer to an older request is
-        skipped. Raises :class:`TrainerRankLostError` naming the first rank that hung up,
-        or did not answer by ``deadline``."""
-        with self.cond:
-            channels = {r: self.channels[r] for r in ranks if r in self.channels}
-        missing = sorted(set(ranks) - set(channels))
-        if missing:
-            raise TrainerRankLostError(f"trainer rank {missing[0]} is not connected ({what})",
-                                       rank=missing[0])
-        answers: dict[int, Message] = {}
-        while len(answers) < len(channels):
-            waiting = {c.fileno(): r for r, c in channels.items() if r not in answers}
-            poller = select.poll()
-            for fd in waiting:
-                poller.register(fd, select.POLLIN)
-            ready = poller.poll(max(1, int(deadline.slice(0.2) * 1000)))
-            for fd, _event in ready:
-                rank = waiting[fd]
-                try:
-                    message = channels[rank].recv(timeout=deadline.slice(5.0), max_payload=0)
-                except (ChannelClosed, ChannelTimeout) as exc:
-                    self.drop(rank)
-                    raise TrainerRankLostError(
-                        f"trainer rank {rank} hung up ({what}): {exc}", rank=rank) from exc
-                if message.header.get("t") == kind and message.header.get("seq") == seq:
-                    answers[rank] = message
-                else:  # an answer to a request that failed before it came
-                    logger.debug("trainer rank %d: skipped %s", rank, message.header.get("t"))
-            if not ready and deadline.expired():
-                late = sorted(set(channels) - set(answers))
-                raise TrainerRankLostError(
-                    f"trainer rank {late[0]} did not answer within {deadline} ({what}); "
-                    f"ranks still silent: {late} (stopped, or far behind the others)",
-                    rank=late[0])
-        return answers
-
-    def read_layouts(self, deadline: Deadline) -> dict[int, dict[str, Any]]:
-        """The layout each rank connected since the last check sent (``rank.layout``, its
-        first message on a connection)."""
-        with self.cond:
-            unchecked = {r: c for r, c in self.channels.items() if r not in self.checked}
-        layouts: dict[int, dict[str, Any]] = {}
-        for rank, channel in sorted(unchecked.items()):
+                with self.cond:
+                    connection.gone = connection.gone or f"hung up ({exc})"
+                    self.cond.notify_all()
+                return
+            header, kind = message.header, message.header.get("t")
             try:
-                message = channel.recv(timeout=deadline.remaining(), max_payload=0)
-            except ChannelTimeout as exc:
-                raise TrainerRankLostError(
-                    f"trainer rank {rank} sent no layout within {deadline} (it connected "
-                    "but did not send)", rank=rank) from exc
-            except ChannelClosed as exc:
-                self.drop(rank)
-                raise TrainerRankLostError(f"trainer rank {rank} hung up before sending its "
-                                           f"layout: {exc}", rank=rank) from exc
-            if message.header.get("t") != "rank.layout":
-                self.drop(rank)
-                raise TrainerRankLostError(f"trainer rank {rank} broke the protocol: "
-                                           f"{message.header.get('t')!r} before its layout",
-                                           rank=rank)
-            layouts[rank] = message.header
-        return layouts
+                with self.cond:
+                    if kind == "rank.hello":
+                        hello = Hello.from_json(header.get("hello"), where)
+                        if hello.rank != connection.rank:
+                            raise IntegrityError(f"{where} said hello as rank {hello.rank}")
+                        connection.hello = hello
+                    elif kind == "rank.done":
+                        done = Done.from_json(header.get("done"), where)
+                        if done.rank == connection.rank and done.attempt in self._dones:
+                            self._dones[done.attempt][done.rank] = done
+                    elif kind == "rank.mapped":
+                        connection.mapped.add((int(header["index"]), int(header["request"])))
+                    self.cond.notify_all()
+            except (IntegrityError, KeyError, TypeError, ValueError) as exc:
+                logger.warning("%s broke the protocol (%s): dropped", where, exc)
+                with self.cond:
+                    connection.gone = f"broke the protocol ({exc})"
+                    self.cond.notify_all()
+                channel.close()
+                return
 
-    def mark_checked(self, ranks: list[int]) -> None:
+    # ------------------------------------------------------------------ the board
+    def hellos(self) -> dict[int, Hello]:
         with self.cond:
-            self.checked.update(r for r in ranks if r in self.channels)
+            return {r: c.hello for r, c in self.connections.items()
+                    if c.hello is not None and c.alive()}
+
+    def lost(self, rank: int, incarnation: str) -> str:
+        with self.cond:
+            connection = self.connections.get(rank)
+            if connection is None:
+                return "is not connected"
+            if connection.hello is not None and connection.hello.incarnation != incarnation:
+                return "restarted or registered another model"
+            if connection.hello is None:
+                return "restarted (a new process connected)"
+            return "" if connection.alive() else connection.gone
+
+    def post_plan(self, plan: Plan) -> None:
+        with self.cond:
+            self._dones[plan.attempt] = {}
+            for old in list(self._dones)[:-KEPT_ATTEMPTS]:
+                del self._dones[old]
+        self._tell({"t": "rank.plan", "plan": plan.to_json()})
+
+    def dones(self, attempt: str) -> dict[int, Done]:
+        with self.cond:
+            return dict(self._dones.get(attempt, {}))
+
+    def post_outcome(self, outcome: Outcome) -> None:
+        if outcome.committed:
+            self.committed = outcome.version
+        self._tell({"t": "rank.outcome", "outcome": outcome.to_json()})
+
+    def wait(self, seconds: float) -> None:
+        with self.cond:
+            self.cond.wait(seconds)
+
+    def _tell(self, header: dict[str, Any], fds: list[int] | None = None) -> None:
+        """Send ``header`` to every rank connected now; one that cannot take it is gone."""
+        with self.cond:
+            targets = [c for c in self.connections.values() if not c.gone]
+        for connection in targets:
+            try:
+                connection.channel.send(header, fds=fds or [], timeout=5.0)
+            except (ChannelClosed, ChannelTimeout, OSError) as exc:
+                with self.cond:
+                    connection.gone = connection.gone or f"hung up ({exc})"
+
+    # ------------------------------------------------------------------ the data plane
+    def hand_out(self, index: int, fd: int, nbytes: int, deadline: Deadline) -> dict[int, int]:
+        """Hand slot ``index`` to every rank connected now and wait (until ``deadline``)
+        until each mapped it writable; returns rank -> the connection that did."""
+        request = next(self._requests)
+        self._tell({"t": "rank.slot", "index": index, "nbytes": nbytes, "request": request},
+                   fds=[fd])
+        with self.cond:
+            while True:
+                waiting = {r: c for r, c in self.connections.items()
+                           if (index, request) not in c.mapped}
+                for rank, connection in sorted(waiting.items()):
+                    if not connection.alive():
+                        raise TrainerRankLostError(f"trainer rank {rank} {connection.gone} "
+                                                   f"before mapping slot {index}", rank=rank)
+                if not waiting:
+                    return {r: c.serial for r, c in self.connections.items()}
+                if deadline.expired():
+                    rank = min(waiting)
+                    raise TrainerRankLostError(
+                        f"trainer rank {rank} did not map slot {index} within {deadline} "
+                        "(stopped, or not in its send)", rank=rank)
+                self.cond.wait(deadline.slice(0.1))
+
+    def serials(self) -> dict[int, int]:
+        """Rank -> its connection now, for slots mapped by an older one (not writable by
+        this one: slots are sealed once handed out)."""
+        with self.cond:
+            return {r: c.serial for r, c in self.connections.items() if not c.gone}
+
+    def retire(self, index: int) -> None:
+        self._tell({"t": "rank.retire", "index": index})
 
     def close(self) -> None:
         self._stop = True
@@ -216,26 +272,35 @@ class RankHub:
             self._thread.join(1.0)
         self._listener.close()
         with self.cond:
-            for channel in self.channels.values():
-                channel.close()
-            self.channels.clear()
+            for connection in self.connections.values():
+                connection.gone = connection.gone or "closed"
+                connection.channel.close()
+            self.connections.clear()
 
 
 class RankLink:
-    """Rank ``rank``'s authenticated connection to rank 0."""
+    """Rank ``rank``'s connection to rank 0 (a
+    :class:`~weightsync.transports.ranks.board.MemberBoard`): read only within its own
+    calls; slot hand-outs are passed to ``on_slot``/``on_retire`` as they come."""
 
-    def __init__(self, address: str, token: str, uid: int, rank: int) -> None:
-        self.address, self.token, self.uid, self.rank = rank_address(address), token, uid, rank
+    def __init__(self, address: str, rank_key: str, uid: int, rank: int,
+                 on_slot: Callable[[int, int, list[int]], None],
+                 on_retire: Callable[[int], None]) -> None:
+        self.address, self.key, self.uid, self.rank = rank_address(address), rank_key, uid, rank
+        self._on_slot, self._on_retire = on_slot, on_retire
         self.channel: Channel | None = None
         self.joined_at = NO_VERSION
+        self._plans: list[Plan] = []
+        self._outcomes: dict[str, Outcome] = {}
+        self._gone = ""
 
     def open(self, deadline: Deadline) -> None:
         try:
             channel = connect_channel(self.address, deadline.remaining())
         except ChannelTimeout as exc:
-            raise WeightSyncTimeoutError(
-                f"trainer rank {self.rank}: rank 0 is not listening after {deadline} "
-                "(has rank 0 created its sender and called connect()?)") from exc
+            raise TrainerRankLostError(
+                f"trainer rank {self.rank}: trainer rank 0 is not listening after {deadline} "
+                "(has rank 0 created its sender and called connect()?)", rank=0) from exc
         try:
             peer = peer_credentials(channel.socket)
             if peer.uid != self.uid:
@@ -243,39 +308,78 @@ class RankLink:
             challenge = read_frame(channel.socket, deadline.remaining)
             nonce, hub_nonce = new_nonce(), str(challenge.get("nonce"))
             channel.send({"t": "rank.hello", "rank": self.rank, "nonce": nonce,
-                          "proof": rank_proof(self.token, hub_nonce, nonce, self.rank)},
+                          "proof": rank_proof(self.key, hub_nonce, nonce, self.rank)},
                          timeout=deadline.remaining())
             welcome = channel.recv(timeout=deadline.remaining(), max_payload=0)
-            if not proofs_match(rank_hub_proof(self.token, hub_nonce, nonce, self.rank),
+            if not proofs_match(rank_hub_proof(self.key, hub_nonce, nonce, self.rank),
                                 welcome.header.get("proof")):
                 raise HandshakeError("the process at rank 0's address does not hold the "
-                                     "scheme's token")
+                                     "scheme's rank key")
         except (HandshakeError, ChannelClosed, ChannelTimeout, TimeoutError) as exc:
             channel.close()
             raise TrainerRankLostError(
                 f"trainer rank {self.rank}: could not join rank 0: {exc}", rank=0) from exc
+        if welcome.header.get("t") == "rank.refused":
+            channel.close()
+            raise WeightSyncError(f"trainer rank {self.rank} was refused by rank 0: "
+                                  f"{welcome.header.get('error')}")
         self.joined_at = int(welcome.header.get("joined_at", NO_VERSION))
         self.channel = channel
 
-    def send(self, header: dict[str, Any]) -> None:
+    # ------------------------------------------------------------------ the board
+    def post_hello(self, hello: Hello) -> None:
+        self._send({"t": "rank.hello", "hello": hello.to_json()})
+
+    def post_done(self, done: Done) -> None:
+        self._send({"t": "rank.done", "done": done.to_json()})
+
+    def plans(self) -> list[Plan]:
+        return list(self._plans)
+
+    def outcome(self, attempt: str) -> Outcome | None:
+        return self._outcomes.get(attempt)
+
+    def lead_lost(self) -> str:
+        return self._gone
+
+    def wait(self, seconds: float) -> None:
+        """Take in rank 0's messages: the first within ``seconds``, then all waiting."""
+        timeout = seconds
+        while self.channel is not None and not self._gone:
+            try:
+                if not self.channel.readable(timeout):
+                    return
+                message = self.channel.recv(timeout=5.0, max_payload=0)
+            except (ChannelClosed, ChannelTimeout, OSError) as exc:
+                self._gone = f"hung up ({exc})"
+                return
+            self._take(message)
+            timeout = 0.0
+
+    def _take(self, message: Message) -> None:
+        header, kind, where = message.header, message.header.get("t"), "trainer rank 0"
+        if kind == "rank.plan":
+            self._plans = [*self._plans, Plan.from_json(header.get("plan"), where)][-KEPT_ATTEMPTS:]
+        elif kind == "rank.outcome":
+            outcome = Outcome.from_json(header.get("outcome"), where)
+            self._outcomes[outcome.attempt] = outcome
+            for old in list(self._outcomes)[:-KEPT_ATTEMPTS]:
+                del self._outcomes[old]
+        elif kind == "rank.slot":
+            self._on_slot(int(header["index"]), int(header["nbytes"]), message.fds)
+            self._send({"t": "rank.mapped", "index": header["index"],
+                        "request": header["request"]})
+        elif kind == "rank.retire":
+            self._on_retire(int(header["index"]))
+
+    def _send(self, header: dict[str, Any]) -> None:
         assert self.channel is not None
         try:
             self.channel.send(header, timeout=5.0)
         except (ChannelClosed, ChannelTimeout, OSError) as exc:
-            raise TrainerRankLostError(f"trainer rank {self.rank}: rank 0 hung up: {exc}",
-                                       rank=0) from exc
-
-    def recv(self, deadline: Deadline, waiting_for: str) -> Message:
-        assert self.channel is not None
-        try:
-            return self.channel.recv(timeout=deadline.remaining(), max_payload=0)
-        except ChannelTimeout as exc:
-            raise WeightSyncTimeoutError(
-                f"trainer rank {self.rank}: {waiting_for} did not come from rank 0 within "
-                f"{deadline}") from exc
-        except ChannelClosed as exc:
-            raise TrainerRankLostError(f"trainer rank {self.rank}: rank 0 hung up ({exc})",
-                                       rank=0) from exc
+            self._gone = f"hung up ({exc})"
+            raise TrainerRankLostError(f"trainer rank {self.rank}: trainer rank 0 hung up: "
+                                       f"{exc}", rank=0) from exc
 
     def close(self) -> None:
         if self.channel is not None:

@@ -1,0 +1,210 @@
+"""The rank-protocol conformance suite: the same faults against every transport that takes
+``trainer_ranks``, two real rank processes holding ``ws.LocalShard`` halves and one worker.
+
+The rule (docs/sharded.md): a rank that never appears, dies or stalls is
+``TrainerRankLostError(rank=r)`` on every other rank within its deadline, rank 0
+included; a failed version is not counted (the next committed version takes its number);
+one late rank costs at most the version it missed; a worker cannot act as a rank; a rank
+restarted during a send joins the next version; a second live claimant of a rank index is
+refused, saying so."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from rank_conformance import ROWS, Directory, Ranks, SharedMem
+
+pytestmark = pytest.mark.timeout(180)
+
+#: a generous margin over a deadline, for a loaded machine
+SLACK_S = 3.0
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray instance for the Ray cases of this module; its GCS address."""
+    ray = pytest.importorskip("ray")
+    from ray_processes import ray_processes
+
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        _node_ip_address="127.0.0.1", namespace="weightsync-tests",
+        object_store_memory=100 * 1024 * 1024,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+            [TESTS_DIR, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}},
+    )
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    deadline = time.monotonic() + 20
+    while ray_processes(session_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.fixture(params=["shared_mem", "directory",
+                        pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
+def transport(request):
+    if request.param == "ray":
+        from rank_conformance_ray import Ray
+
+        made = Ray(timeout=60, address=request.getfixturevalue("ray_cluster"))
+    else:
+        made = {"shared_mem": SharedMem, "directory": Directory}[request.param](timeout=60)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def ranks(transport):
+    group = Ranks(transport)
+    yield group
+    group.close()
+
+
+@pytest.fixture
+def worker(transport):
+    made = transport.worker()
+    yield made
+    made.close()
+
+
+def ok(ranks, key, version, timeout=60.0):
+    got = ranks.next(key, timeout)
+    assert got[:3] == ("ok", got[1], version), got
+    return got
+
+
+def lost(ranks, key, rank, within, timeout=60.0):
+    """``key`` raised ``TrainerRankLostError`` naming ``rank``, within ``within`` seconds."""
+    got = ranks.next(key, timeout)
+    assert got[0] == "error" and got[2] == "TrainerRankLostError" and got[4] == rank, got
+    assert got[5] < within + SLACK_S, got
+    return got
+
+
+def connect_both(ranks, worker):
+    for r in (0, 1):
+        assert ranks.start(r)[0] == "ready"
+    for r in (0, 1):
+        ranks.tell(r, "connect", 60)
+    for r in (0, 1):
+        ok(ranks, r, 0)
+    worker.holds(0)
+
+
+def send_both(ranks, version, timeout=60):
+    for r in (0, 1):
+        ranks.tell(r, "send", timeout)
+    for r in (0, 1):
+        ok(ranks, r, version)
+
+
+@pytest.mark.parametrize("missing", [0, 1])
+def test_a_rank_that_never_starts_is_named_within_the_deadline(transport, ranks, worker,
+                                                              missing):
+    present = 1 - missing
+    assert ranks.start(present)[0] == "ready"
+    ranks.tell(present, "connect", 6)
+    lost(ranks, present, missing, within=6)
+
+
+def test_a_killed_rank_is_named_and_a_restarted_one_joins_the_next_version(ranks, worker):
+    connect_both(ranks, worker)
+    ranks.kill(1)
+    ranks.tell(0, "send", 6)
+    lost(ranks, 0, 1, within=6)
+    assert ranks.start(1)[0] == "ready"
+    ranks.tell(1, "connect", 60, 1.0)
+    ranks.tell(0, "send", 60)
+    ok(ranks, 1, 1)  # the failed version was not counted: versions stay dense
+    ok(ranks, 0, 1)
+    worker.holds(1)
+    send_both(ranks, 2)
+    worker.holds(2)
+
+
+def test_a_stopped_rank_is_named_within_the_deadline_and_catches_up(ranks, worker):
+    connect_both(ranks, worker)
+    ranks.signal(1, signal.SIGSTOP)
+    ranks.tell(0, "send", 4)
+    lost(ranks, 0, 1, within=4)
+    ranks.tell(1, "send", 60)
+    ranks.signal(1, signal.SIGCONT)
+    time.sleep(0.5)  # rank 1 resumes into its send before rank 0 retries
+    ranks.tell(0, "send", 60)
+    ok(ranks, 0, 1)
+    ok(ranks, 1, 1)
+    worker.holds(1)
+
+
+def test_a_layout_disagreement_is_refused_naming_rank_and_key(ranks, worker):
+    assert ranks.start(0)[0] == "ready"
+    assert ranks.start(1, rows=ROWS + 2)[0] == "ready"  # another global shape of "w"
+    for r in (0, 1):
+        ranks.tell(r, "connect", 20)
+    for r in (0, 1):
+        got = ranks.next(r)
+        assert got[0] == "error" and got[2] == "SchemaMismatchError", got
+        assert "rank 1" in got[3] and "'w'" in got[3], got
+
+
+def test_a_late_rank_costs_at_most_the_version_it_missed(ranks, worker):
+    """Rank 1's send gives up before rank 0 starts its own (an evaluation on rank 0):
+    every later version commits on both ranks."""
+    connect_both(ranks, worker)
+    ranks.tell(1, "send", 1)
+    lost(ranks, 1, 0, within=1)
+    for version in range(1, 5):
+        send_both(ranks, version)
+    worker.holds(4)
+
+
+def test_a_worker_cannot_act_as_a_rank(transport, ranks, worker):
+    """A process holding what a worker holds calls create_sender(rank=1): it is refused,
+    writes nothing the workers see, and the real ranks commit the next version.
+
+    SharedMem: the worker lacks the rank key. The directory and Ray: their boundary is the
+    directory's permissions and the Ray cluster (docs/security.md), so a worker is refused
+    only as a second live claimant of rank 1."""
+    connect_both(ranks, worker)
+    first = ranks.start(1, key="worker", scheme=transport.posing_scheme())
+    if first[0] == "ready":  # refused at its first connect or send, then
+        ranks.tell("worker", "connect", 4, 666.0)
+        got = ranks.next("worker")
+        assert got[0] == "error", got
+        if transport.name != "shared_mem":
+            assert "already held" in got[3], got
+    else:
+        assert first[0] in ("crash", "error"), first
+    send_both(ranks, 1)
+    worker.holds(1)
+
+
+def test_a_rank_restarted_during_a_send_joins_the_next_version(ranks, worker):
+    connect_both(ranks, worker)
+    ranks.tell(0, "send", 8)
+    time.sleep(1.0)  # rank 0 is waiting for rank 1's part
+    ranks.kill(1)
+    assert ranks.start(1)[0] == "ready"
+    ranks.tell(1, "connect", 60, 1.0)
+    lost(ranks, 0, 1, within=8)
+    ranks.tell(0, "send", 60)
+    ok(ranks, 0, 1)
+    ok(ranks, 1, 1)
+    worker.holds(1)
+    send_both(ranks, 2)
+    worker.holds(2)
+
+
+def test_a_second_live_claimant_of_a_rank_is_refused_saying_so(ranks, worker):
+    connect_both(ranks, worker)
+    assert ranks.start(1, key="second")[0] == "ready"
+    ranks.tell("second", "connect", 6, 1.0)
+    got = ranks.next("second")
+    assert got[0] == "error" and "already" in got[3], got
+    send_both(ranks, 1)
+    worker.holds(1)
