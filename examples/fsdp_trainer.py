@@ -93,20 +93,20 @@ def main() -> int:
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="weightsync-example-fsdp-",
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    scheme: Scheme
-    for_ranks: Scheme  # what the trainer ranks get (SharedMem: with the ranks' key)
+    for_ranks: Scheme  # what the trainer ranks get (SharedMem: its pickle has the ranks' key)
+    for_workers: Scheme  # what the reader gets (SharedMem: without the ranks' key)
     if args.scheme == "shm":
-        scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
-        for_ranks = scheme.for_trainer_ranks()
+        for_ranks = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
+        for_workers = for_ranks.for_workers()
     else:
-        scheme = for_ranks = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1,
-                                                           trainer_ranks=2)
+        for_ranks = for_workers = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1,
+                                                                trainer_ranks=2)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=reader, args=(scheme, args.steps, out))]
+    procs = [ctx.Process(target=reader, args=(for_workers, args.steps, out))]
     procs += [ctx.Process(target=trainer, args=(r, 2, for_ranks, port, args.steps, out))
               for r in range(2)]
     for p in procs:

@@ -97,7 +97,7 @@ class SharedMem(Transport):
         return self.scheme if for_ranks is None else for_ranks()
 
     def worker_scheme(self) -> Any:
-        return self.scheme
+        return self.scheme.for_workers()  # what workers of a sharded trainer are handed
 
     def receiver(self) -> Any:
         return self.scheme.create_receiver(0)

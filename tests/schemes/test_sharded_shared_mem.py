@@ -85,22 +85,25 @@ def test_create_sender_checks_the_rank():
         ws.SharedMemWeightSyncScheme(num_workers=1).create_sender(rank=1)
 
 
-def test_the_rank_key_reaches_the_ranks_only():
-    """Workers get the scheme's pickle, which leaves the rank key out: a worker cannot create
-    a rank's sender; the ranks' copy carries it once (passed on, it is dropped again)."""
+def test_the_rank_key_stays_out_of_the_workers_copy():
+    """The scheme's own pickle carries the rank key (every trainer process is handed the
+    scheme, as the contract shows); scheme.for_workers() is the workers' copy, whose pickle
+    leaves it out: a worker holding that cannot create a rank's sender."""
     scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
-    as_worker = pickle.loads(pickle.dumps(scheme))
+    assert scheme.config.rank_key not in (scheme.token, "")
+    as_rank = pickle.loads(pickle.dumps(scheme))
+    assert as_rank.config.rank_key == scheme.config.rank_key
+    as_worker = pickle.loads(pickle.dumps(scheme.for_workers()))
     assert as_worker.config.rank_key == "" and as_worker.token == scheme.token
     for rank in (0, 1):
-        with pytest.raises(ValueError, match=r"for_trainer_ranks\(\)"):
+        with pytest.raises(ValueError, match=r"for_workers\(\)"):
             as_worker.create_sender(rank=rank)
-    as_rank = pickle.loads(pickle.dumps(scheme.for_trainer_ranks()))
-    assert as_rank.config.rank_key == scheme.config.rank_key
-    assert scheme.config.rank_key not in (scheme.token, "")
-    assert pickle.loads(pickle.dumps(as_rank)).config.rank_key == ""
-    as_rank.create_sender(rank=1).close()
-    with pytest.raises(ValueError, match=r"for_trainer_ranks\(\)"):
+    with pytest.raises(ValueError, match="workers' copy"):
         as_worker.for_trainer_ranks()
+    assert scheme.config.rank_key  # the scheme in this process keeps it
+    again = pickle.loads(pickle.dumps(scheme.for_workers().for_trainer_ranks()))
+    assert again.config.rank_key == scheme.config.rank_key
+    again.create_sender(rank=1).close()
 
 
 def test_rank_0_refuses_a_process_that_proves_only_the_workers_token():

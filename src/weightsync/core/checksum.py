@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -203,34 +201,10 @@ def torch_share(data: torch.Tensor, position: int = 0) -> int:
     return total & _MASK
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _forget_pool() -> None:  # a forked child has none of its parent's threads
-    global _pool, _pool_size
-    _pool, _pool_size = None, 0
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
 def _threads(nbytes: int) -> int:
     """Threads for a sum of ``nbytes``: torch's thread count (the copies before it use as
     many), at most one per :data:`PARALLEL_BYTES`."""
     return max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES))
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(workers, thread_name_prefix="weightsync-checksum")
-            _pool_size = workers
-        return _pool
 
 
 def share(data: torch.Tensor, position: int = 0, *, parallel: bool = True) -> int:
@@ -258,8 +232,27 @@ def _split(n: int, position: int, part: Any, parts: int) -> int:
     if parts == 1:
         return int(part(0, n))
     cuts = [0] + [min(n, (n * k // parts) // 4 * 4 + (-position) % 4) for k in range(1, parts)] + [n]
-    others = list(_executor(parts - 1).map(lambda k: part(cuts[k], cuts[k + 1]), range(1, parts)))
-    return combine([part(cuts[0], cuts[1]), *others])
+    results: list[int] = [0] * parts
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = int(part(cuts[k], cuts[k + 1]))
+        except BaseException as exc:  # re-raised in the caller's thread below
+            errors.append(exc)
+
+    # threads of this call only, joined before it returns: nothing outlives a checksum
+    # (a pool would leave threads behind every close(), and forks would inherit none)
+    threads = [threading.Thread(target=run, args=(k,), name="weightsync-checksum", daemon=True)
+               for k in range(1, parts)]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return combine(results)
 
 
 def checksum(data: torch.Tensor) -> int:

@@ -2,11 +2,11 @@
 once for every scheme), which one a sender is for (``create_sender(rank=...)``), and the
 ranks' own secret.
 
-The rank key: ranks prove to rank 0 a secret that workers never receive. A scheme with
-``trainer_ranks > 1`` draws a rank key beside the workers' token and leaves it out of its
-pickle; only :func:`for_trainer_ranks`'s copy carries it, once (a copy unpickled from it
-drops it again when pickled). So a worker handed the scheme cannot create a rank's sender,
-nor pass rank 0's handshake.
+The rank key: ranks prove to rank 0 a secret beside the workers' token. A scheme with
+``trainer_ranks > 1`` draws it when created, and its pickle carries it, so that a scheme
+handed to every trainer process works as the contract shows (``create_sender(rank=r)``).
+:func:`for_workers` returns the copy to hand workers: its pickle leaves the key out, so a
+worker handed that copy cannot create a rank's sender, nor pass rank 0's handshake.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from weightsync.core.checks import checked_int
 #: mapping)
 MAX_TRAINER_RANKS = 1024
 
-#: the attribute a copy for the ranks carries (never pickled: set on the copy only)
-_TRAVELS = "_rank_key_travels"
+#: the attribute the workers' copy carries (never pickled: its pickle has no key to drop)
+_WORKERS_ONLY = "_rank_key_withheld"
 
 S = TypeVar("S")
 
@@ -59,27 +59,41 @@ def checked_rank_key(rank_key: str, scheme: object) -> str:
     """The rank key a rank's sender needs, or a ValueError saying how to hand it over."""
     if not rank_key:
         raise ValueError(
-            f"this copy of {type(scheme).__name__} holds no rank key: it was pickled as "
-            "workers get it. Hand the trainer ranks scheme.for_trainer_ranks() instead "
-            "(workers never receive the key, so they cannot act as a rank)")
+            f"this copy of {type(scheme).__name__} holds no rank key: it is the workers' "
+            "copy (scheme.for_workers()), which cannot act as a trainer rank. Hand the "
+            "trainer ranks the scheme itself, or scheme.for_trainer_ranks()")
     return rank_key
 
 
+def _copy(scheme: S) -> S:
+    out = object.__new__(type(scheme))  # not copy.copy: that pickles
+    out.__dict__.update(vars(scheme))
+    return out
+
+
 def for_trainer_ranks(scheme: S) -> S:
-    """A copy of ``scheme`` whose pickle carries the rank key (to the ranks only)."""
+    """A copy of ``scheme`` for the trainer ranks (its pickle carries the rank key); a
+    ValueError on the workers' copy, which has none."""
     config: Any = getattr(scheme, "config")  # noqa: B009
     if config.trainer_ranks > 1:
         checked_rank_key(getattr(config, "rank_key", ""), scheme)
-    out = object.__new__(type(scheme))  # not copy.copy: that pickles, which drops the key
-    out.__dict__.update(vars(scheme))
-    setattr(out, _TRAVELS, True)
+    out = _copy(scheme)
+    out.__dict__.pop(_WORKERS_ONLY, None)
+    return out
+
+
+def for_workers(scheme: S) -> S:
+    """A copy of ``scheme`` to hand workers: its pickle leaves the rank key out, so a
+    process holding it cannot act as a trainer rank (the scheme in this process keeps it)."""
+    out = _copy(scheme)
+    setattr(out, _WORKERS_ONLY, True)
     return out
 
 
 def pickled_state(scheme: Any) -> dict[str, Any]:
-    """``scheme``'s pickled state: without the rank key unless it is the ranks' copy."""
+    """``scheme``'s pickled state: with the rank key, except the workers' copy's."""
     state = dict(scheme.__dict__)
-    travels = bool(state.pop(_TRAVELS, False))
-    if not travels and str(getattr(scheme.config, "rank_key", "")):
+    withheld = bool(state.pop(_WORKERS_ONLY, False))
+    if withheld and str(getattr(scheme.config, "rank_key", "")):
         state["config"] = replace(scheme.config, rank_key="")
     return state

@@ -12,6 +12,7 @@ from weightsync.schemes.ranks import (
     checked_rank_key,
     checked_trainer_ranks,
     for_trainer_ranks,
+    for_workers,
     new_rank_key,
     pickled_state,
     trainer_rank,
@@ -77,9 +78,14 @@ class SharedMemWeightSyncScheme(LocalScheme):
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
     def for_trainer_ranks(self) -> SharedMemWeightSyncScheme:
-        """What to hand the trainer ranks: this scheme, with the rank key in its pickle.
-        Workers get the scheme itself, whose pickle leaves the key out."""
+        """What to hand the trainer ranks: this scheme, with the rank key in its pickle (the
+        scheme's own pickle carries it too; this refuses the workers' copy, which has none)."""
         return for_trainer_ranks(self)
+
+    def for_workers(self) -> SharedMemWeightSyncScheme:
+        """What to hand workers of a sharded trainer: a copy whose pickle leaves the rank key
+        out, so that no worker can act as a trainer rank (docs/security.md)."""
+        return for_workers(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return pickled_state(self)
@@ -87,7 +93,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
     def create_sender(self, rank: int | None = None) -> WeightSender:
         """The trainer's end; with ``trainer_ranks > 1``, rank ``rank``'s (default: this
         process's torch.distributed rank), which registers its own shards. Needs the rank
-        key: the scheme as created, or a copy from :meth:`for_trainer_ranks`."""
+        key: the scheme as created or pickled, not the copy :meth:`for_workers` makes."""
         c = self.config
         rank = trainer_rank(rank, c.trainer_ranks)
         writer: RankZeroWriter | RankWriter | SharedMemWriter
