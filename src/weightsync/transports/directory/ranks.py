@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from weightsync.core.errors import IntegrityError, WeightSyncError
 from weightsync.transports.directory.files import read_json_if_changed, write_json_atomic
 from weightsync.transports.directory.manifest import ManifestCache, sender_alive
-from weightsync.transports.ranks.liveness import claim_refused, hello_dead, who
+from weightsync.transports.ranks.liveness import claim_refused, hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
 PENDING = "pending.json"
@@ -136,13 +136,7 @@ class LeadFiles:
             hello = self.files.hello(rank)
         except IntegrityError as exc:
             return f"left an unreadable hello file ({exc})"
-        if hello is None:
-            return "closed (its hello file is gone)"
-        if hello.incarnation != incarnation:
-            return f"restarted ({who(hello)})"
-        if hello_dead(hello):
-            return f"died ({who(hello)})"
-        return ""
+        return lost_verdict(hello, incarnation, "closed (its hello file is gone)")
 
     def post_plan(self, plan: Plan) -> None:
         self._plan = plan

@@ -42,3 +42,17 @@ def claim_refused(held: Hello | None, claimant: Hello) -> str:
         return ""
     return (f"trainer rank {claimant.rank} is already held by a live process ({who(held)}); "
             "a rank index is claimed by one process at a time")
+
+
+def lost_verdict(hello: Hello | None, incarnation: str, gone: str) -> str:
+    """Why the rank that said ``incarnation`` is lost, judged by its current hello (``gone``
+    when it has none); "" while that same process lives. The lead boards of media without
+    a connection to watch (files, a Ray actor) ask this."""
+    if hello is None:
+        return gone
+    if hello.incarnation != incarnation:
+        return f"restarted ({who(hello)})"
+    if hello_dead(hello):
+        return f"died ({who(hello)})"
+    return ""
+

@@ -38,7 +38,7 @@ from weightsync.core.layout import Layout
 from weightsync.core.shards import describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ranks.lead import RankLead
-from weightsync.transports.ranks.liveness import hello_dead, who
+from weightsync.transports.ranks.liveness import hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 from weightsync.transports.ray import shard_stream
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
@@ -80,16 +80,10 @@ class RayLeadBoard:
                 if 1 <= r < self.world and not hello_dead(h)}
 
     def lost(self, rank: int, incarnation: str) -> str:
-        hello = self._all_hellos().get(rank)
-        if hello is None:
-            return "closed"
-        if hello.incarnation != incarnation:
-            return f"restarted ({who(hello)})"
-        if hello_dead(hello):
-            return f"died ({who(hello)})"
-        if rank in self.broken:
+        verdict = lost_verdict(self._all_hellos().get(rank), incarnation, "closed")
+        if not verdict and rank in self.broken:
             return f"broke off its stream ({self.broken[rank]})"
-        return ""
+        return verdict
 
     def post_plan(self, plan: Plan) -> None:
         self.broken = {}
