@@ -117,14 +117,46 @@ def _single_thread_torch() -> None:
 # ---------------------------------------------------------------------- test tiers
 #: Tests that only the full run takes (`bash scripts/run.sh test-all`, what CI runs): the
 #: peer suite (TorchRL's own tests on our schemes), the two-host clusters and `vllm serve`
-#: in network namespaces, soaks, benches and demos. The README's default command
-#: (`bash scripts/run.sh test`) leaves them out so that it ends within minutes.
+#: in network namespaces, Ray's one-node and sharded suites, soaks, benches, demos and
+#: examples. The README's default command (`bash scripts/run.sh test`) leaves them out so
+#: that it ends within minutes; what stays covers every transport, the rank protocol on
+#: SharedMem (and the directory's rank faults), a real vLLM engine and a real `vllm serve`, LoRA, Ray with
+#: deltas, and TorchRL's LLM stack. Chosen from `--durations` of a full run.
 FULL_TIER: tuple[str, ...] = (
     "tests/torchrl_compat/",
+    "tests/integrations/test_vllm_serve_remote.py",
+    "tests/schemes/test_ray_multihost.py",
+    "tests/schemes/test_ray_delta_multihost.py",
+    "tests/integrations/test_torchrl_ray_multihost.py",
+    "tests/schemes/test_ray_scheme.py",
+    "tests/schemes/test_sharded_ray.py",
+    "tests/integrations/test_torchrl_ray.py",
+    "tests/integrations/test_torchrl_collectors.py",
+    "tests/integrations/test_torchrl_async_vllm.py",
+    "tests/integrations/test_torchrl_demo.py",
+    "tests/integrations/test_vllm_tensor_parallel.py",
+    "tests/integrations/test_transformers_end_to_end.py",
+    "tests/schemes/test_sharded_directory.py",
+    "tests/test_demo_llm.py",
+    "tests/test_demo.py",
+    "tests/test_examples.py",
+    "tests/test_bench.py",
+    "tests/test_bench_lora.py",
+    "tests/test_bench_delta.py",
 )
+#: single cases of the full tier: (module, a piece of the test id)
+FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
+    ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray
+    ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
+)
+
+
+def in_full_tier(nodeid: str) -> bool:
+    return nodeid.startswith(FULL_TIER) or any(
+        nodeid.startswith(module) and piece in nodeid for module, piece in FULL_TIER_CASES)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.startswith(FULL_TIER):
+        if in_full_tier(item.nodeid):
             item.add_marker(pytest.mark.full)
