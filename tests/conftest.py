@@ -120,8 +120,9 @@ def _single_thread_torch() -> None:
 #: in network namespaces, Ray's one-node and sharded suites, soaks, benches, demos and
 #: examples. The README's default command (`bash scripts/run.sh test`) leaves them out so
 #: that it ends within minutes; what stays covers every transport, the rank protocol on
-#: SharedMem (and the directory's rank faults), a real vLLM engine and a real `vllm serve`, LoRA, Ray with
-#: deltas, and TorchRL's LLM stack. Chosen from `--durations` of a full run.
+#: SharedMem (and the directory's rank faults), a real vLLM engine and a real `vllm
+#: serve`, LoRA, Ray with deltas, and TorchRL's LLM stack. Chosen from `--durations` of a
+#: full run.
 FULL_TIER: tuple[str, ...] = (
     "tests/torchrl_compat/",
     "tests/integrations/test_vllm_serve_remote.py",
