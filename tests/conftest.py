@@ -69,13 +69,36 @@ class MergedQueue:
             q.cancel_join_thread()
 
 
+class StopFlag:
+    """The workers' stop signal, lock-free: a worker SIGKILLed inside ``Event.is_set()``
+    keeps the Event's lock forever, and the next ``set()`` would hang the test."""
+
+    def __init__(self) -> None:
+        self._flag = mp.get_context("spawn").RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def clear(self) -> None:
+        self._flag.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.is_set()
+
+
 class Workers:
     """Starts worker processes and makes sure none outlives the test."""
 
     def __init__(self, method: str = "fork") -> None:
         self.ctx = mp.get_context(method)
         self.out = MergedQueue()
-        self.stop = mp.get_context("spawn").Event()
+        self.stop = StopFlag()
         self.procs: dict[int, Any] = {}
 
     def start(self, target: Any, scheme: Any, idx: int, *args: Any, method: str | None = None) -> Any:
