@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
+from collections.abc import Iterator
 
 
 def ray_processes(session_dir: str) -> list[str]:
@@ -13,3 +16,25 @@ def ray_processes(session_dir: str) -> list[str]:
     return [line for line in out.splitlines()
             if ("raylet" in line or "gcs_server" in line) and session_dir in line
             and line.split()[1][:1] != "Z"]
+
+
+def local_ray_instance(tests_dir: str) -> Iterator[str]:
+    """The body of a module-scoped fixture: one local Ray instance whose workers import
+    from ``tests_dir`` and the caller's PYTHONPATH; yields its GCS address, then shuts it
+    down and checks that none of its processes is left."""
+    import ray
+
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        _node_ip_address="127.0.0.1", namespace="weightsync-tests",
+        object_store_memory=100 * 1024 * 1024,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+            [tests_dir, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}},
+    )
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    deadline = time.monotonic() + 20
+    while ray_processes(session_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_processes(session_dir), ray_processes(session_dir)

@@ -10,7 +10,7 @@ import time
 import uuid
 
 import pytest
-from ray_processes import ray_processes
+from ray_processes import local_ray_instance
 from sharded_ranks import free_port, run_ranks
 
 ray = pytest.importorskip("ray")
@@ -23,20 +23,7 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False,
-        _node_ip_address="127.0.0.1", namespace="weightsync-tests",
-        object_store_memory=100 * 1024 * 1024,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-            [TESTS_DIR, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}},
-    )
-    session_dir = ray._private.worker._global_node.get_session_dir_path()
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-    deadline = time.monotonic() + 20
-    while ray_processes(session_dir) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not ray_processes(session_dir), ray_processes(session_dir)
+    yield from local_ray_instance(TESTS_DIR)
 
 
 @pytest.fixture
