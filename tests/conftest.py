@@ -15,6 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from workers import StopFlag
+
 import weightsync as ws
 
 
@@ -67,29 +69,6 @@ class MergedQueue:
         for q in self.queues:
             q.close()
             q.cancel_join_thread()
-
-
-class StopFlag:
-    """The workers' stop signal, lock-free: a worker SIGKILLed inside ``Event.is_set()``
-    keeps the Event's lock forever, and the next ``set()`` would hang the test."""
-
-    def __init__(self) -> None:
-        self._flag = mp.get_context("spawn").RawValue("b", 0)
-
-    def set(self) -> None:
-        self._flag.value = 1
-
-    def clear(self) -> None:
-        self._flag.value = 0
-
-    def is_set(self) -> bool:
-        return bool(self._flag.value)
-
-    def wait(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.is_set()
 
 
 class Workers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import queue
 import time
 from typing import Any
@@ -9,6 +10,30 @@ from typing import Any
 import torch
 
 import weightsync as ws
+
+
+class StopFlag:
+    """The workers' stop signal, lock-free: a worker SIGKILLed inside ``Event.is_set()``
+    keeps the Event's lock forever, and the next ``set()`` would hang the test. It lives
+    here, not in conftest, so that spawn and forkserver can pickle it."""
+
+    def __init__(self) -> None:
+        self._flag = mp.get_context("spawn").RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def clear(self) -> None:
+        self._flag.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.is_set()
 
 
 def make_model(width: int = 16) -> torch.nn.Module:
