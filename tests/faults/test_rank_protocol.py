@@ -92,8 +92,7 @@ def send_both(ranks, version, timeout=60):
 
 
 @pytest.mark.parametrize("missing", [0, 1])
-def test_a_rank_that_never_starts_is_named_within_the_deadline(transport, ranks, worker,
-                                                              missing):
+def test_a_rank_that_never_starts_is_named_within_the_deadline(transport, ranks, missing):
     present = 1 - missing
     assert ranks.start(present)[0] == "ready"
     ranks.tell(present, "connect", 6)
@@ -129,7 +128,7 @@ def test_a_stopped_rank_is_named_within_the_deadline_and_catches_up(ranks, worke
     worker.holds(1)
 
 
-def test_a_layout_disagreement_is_refused_naming_rank_and_key(ranks, worker):
+def test_a_layout_disagreement_is_refused_naming_rank_and_key(ranks):
     assert ranks.start(0)[0] == "ready"
     assert ranks.start(1, rows=ROWS + 2)[0] == "ready"  # another global shape of "w"
     for r in (0, 1):
