@@ -122,9 +122,9 @@ def _single_thread_torch() -> None:
 #: in network namespaces, Ray's one-node and sharded suites, soaks, benches, demos and
 #: examples. The README's default command (`bash scripts/run.sh test`) leaves them out so
 #: that it ends within minutes; what stays covers every transport, the rank protocol on
-#: SharedMem (and the directory's rank faults), a real vLLM engine and a real `vllm
-#: serve`, LoRA, Ray with deltas, and TorchRL's LLM stack. Chosen from `--durations` of a
-#: full run.
+#: SharedMem (and the directory's rank faults), a real vLLM engine, the `vllm serve`
+#: backend's registration, LoRA, one Ray delta case, and TorchRL's LLM scheme. Chosen from
+#: `--durations` of a full run.
 FULL_TIER: tuple[str, ...] = (
     "tests/torchrl_compat/",
     "tests/integrations/test_vllm_serve_remote.py",
@@ -151,6 +151,18 @@ FULL_TIER: tuple[str, ...] = (
 FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray
     ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
+    # a real `vllm serve` (the default keeps vLLM engines in-process and its registration)
+    ("tests/integrations/test_vllm_serve.py", "through_a_directory"),
+    # TorchRL's LLM stack on a vLLM engine (its scheme's construction stays)
+    ("tests/integrations/test_torchrl_llm.py", "test_llm_"),
+    # Ray with deltas: one case (a replacement actor, whole chunks then deltas) stays
+    ("tests/schemes/test_ray_delta.py", "test_dtype_alone"),
+    ("tests/schemes/test_ray_delta.py", "test_delta_accounting"),
+    ("tests/schemes/test_ray_delta.py", "test_corrupted_delta"),
+    ("tests/schemes/test_ray_delta.py", "test_headers_no_sender"),
+    # one of each pair stays
+    ("tests/faults/test_sharded_shm_faults.py", "as_fast_as_they_can[False"),
+    ("tests/faults/test_local_faults.py", "keeps_its_socket_can_restart[mp"),
 )
 
 
