@@ -361,8 +361,10 @@ def test_a_scheme_timeout_of_zero_waits_only_where_a_call_says(scheme_cls, worke
 
 def _shm_entries():
     # multiprocessing's own named semaphores (the harness's queues, here or in another test
-    # run on the machine) are not ours: weightsync creates no named segment at all
-    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
+    # run on the machine) and other tests' temporary directories are not ours: weightsync
+    # creates no named segment at all, so any other new file is a leak
+    return {entry.name for entry in os.scandir("/dev/shm")
+            if not entry.name.startswith("sem.mp-") and not entry.is_dir(follow_symlinks=False)}
 
 
 @pytest.mark.slow
