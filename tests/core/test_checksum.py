@@ -242,3 +242,11 @@ def test_a_cast_or_a_strided_source_is_copied_by_torch_with_the_same_numbers():
     assert torch.equal(transposed, source.t())
     assert values == [ck.torch_share(target.view(torch.uint8).reshape(-1), 3),
                       ck.torch_share(transposed.view(torch.uint8).reshape(-1), 1)]
+
+
+def test_sums_and_the_fused_copy_take_tensors_that_require_grad():
+    source = torch.randn(1000, requires_grad=True)
+    target = torch.zeros(1000)
+    assert ck.copy_shares([(source, target, 0)]) == [ck.checksum(source.detach())]
+    assert torch.equal(target, source.detach())
+    assert ck.share(source, 3) == ck.torch_share(source.detach(), 3)

@@ -17,8 +17,9 @@ wrote. It guards against corruption and misplaced writes, not against someone wh
 write the bytes and their checksum (that is the token's job).
 
 With numba (``core.checksum_kernels``) the sum runs as a vectorised kernel, a large range
-split across torch's thread count; without it, or for tensors outside the CPU (NCCL
-chunks), the same numbers come from torch (slower).
+split across torch's thread count, and a copy can be fused with it (:func:`copy_shares`:
+each lane summed as it is copied, the directory's commit pack); without numba, or for
+tensors outside the CPU (NCCL chunks), the same numbers come from torch (slower).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def accelerated() -> bool:
 
 
 def _bytes_of(buffer: torch.Tensor) -> torch.Tensor:
-    flat = buffer.reshape(-1)
+    """The bytes of ``buffer`` as a flat uint8 tensor (outside autograd)."""
+    flat = buffer.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
@@ -226,7 +228,7 @@ def shares(pieces: Sequence[tuple[torch.Tensor, int]], *, parallel: bool = True)
     raws = [_bytes_of(data) for data, _ in pieces]
     kernels = _kernels()
     if kernels is None or any(raw.device.type != "cpu" for raw in raws):
-        return [share_one(raw, position) for raw, (_, position) in zip(raws, pieces, strict=True)]
+        return [_share_here(raw, position) for raw, (_, position) in zip(raws, pieces, strict=True)]
     range_kernel, _, lanes, _ = kernels
     arrays = [raw.numpy() for raw in raws]
     positions = [position for _, position in pieces]
@@ -239,7 +241,7 @@ def shares(pieces: Sequence[tuple[torch.Tensor, int]], *, parallel: bool = True)
     return _spread(sizes, part, _threads(sum(sizes)) if parallel else 1)
 
 
-def share_one(raw: torch.Tensor, position: int) -> int:
+def _share_here(raw: torch.Tensor, position: int) -> int:
     """:func:`share` of one piece on the calling thread (torch outside the CPU or without
     numba)."""
     kernels = _kernels() if raw.device.type == "cpu" else None
@@ -301,16 +303,16 @@ def _fusable(source: torch.Tensor, target: torch.Tensor) -> bool:
 def _copy_then_share(source: torch.Tensor, target: torch.Tensor, position: int) -> int:
     """Copy ``source`` into ``target`` with torch, piece by piece, each piece summed right
     after it is written (still in cache)."""
+    if not target.is_contiguous():
+        raise ValueError("copy_shares writes into contiguous targets only")
     flat_target, flat_source = target.reshape(-1), source.reshape(-1)
-    if flat_target.data_ptr() != target.data_ptr() or not target.is_contiguous():
-        raise ValueError("copy_shares needs a contiguous target")
     step = max(1, COPY_PIECE_BYTES // max(1, flat_target.element_size()))
     total, written = 0, 0
     for start in range(0, flat_target.numel(), step):
         piece = flat_target[start : start + step]
         piece.copy_(flat_source[start : start + step])
         size = piece.numel() * piece.element_size()
-        total += share_one(_bytes_of(piece), position + written)
+        total += _share_here(_bytes_of(piece), position + written)
         written += size
     return total & _MASK
 
