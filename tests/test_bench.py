@@ -165,3 +165,22 @@ def test_the_vllm_serve_bench_model_is_llama_shaped_and_sized():
             model = transformers.LlamaForCausalLM(config)
         fp32 = sum(p.numel() for p in model.parameters()) * 4
         assert 0.8 * nbytes < fp32 < 1.2 * nbytes, (nbytes, fp32)
+
+
+def test_checksum_bench_script_prints_both_functions_side_by_side():
+    """scripts/bench_checksum.py (quoted by docs/performance.md) runs and prints the word
+    sum beside lane32-weighted-v1 for each step, each against its memcpy."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_checksum.py"), "--mb", "4",
+                           "--repeats", "1", "--threads", "2"],
+                          capture_output=True, text=True, timeout=120, env=env, check=True)
+    lines = done.stdout.splitlines()
+    assert "torch threads 2" in lines[0] and "load average" in lines[0]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
+    for step in ("checksum alone", "commit pack (copy + checksum)", "verify (`bucket_checksums`)"):
+        cells = rows[step]
+        assert len(cells) == 7 and all(float(cell.strip(" |")) > 0 for cell in cells[1:]), cells

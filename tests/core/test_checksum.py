@@ -170,3 +170,83 @@ def test_unknown_or_missing_function_names_are_refused():
         ck.check_function("lane32-weighted-v9", "manifest.json")
     with pytest.raises(IntegrityError, match="records no checksum function"):
         ck.check_function(None, "manifest.json")
+
+
+def _pair(dtype: torch.dtype, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        source = torch.randn(n, generator=generator).to(dtype)
+    else:
+        source = torch.randint(0, 100, (n,), dtype=dtype, generator=generator)
+    return source, torch.zeros_like(source)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.uint8,
+                                   torch.float16, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 4099, 4 * ck.BLOCK_LANES + 3])
+def test_fused_copy_gives_the_reference_numbers(backend, dtype, n):
+    """copy_shares copies byte for byte and gives the reference share of what it wrote,
+    at any position, for 1-byte and 2-byte tails and a range across a block boundary."""
+    for offset, position in ((0, 0), (1, 5), (3, 4 * ck.BLOCK_LANES - 6), (2, 2)):
+        source, target = _pair(dtype, n + offset, n + offset)
+        (value,) = ck.copy_shares([(source[offset:], target[offset:], position)])
+        assert torch.equal(target[offset:], source[offset:])
+        assert not target[:offset].any()
+        raw = target[offset:].view(torch.uint8)
+        assert value == ck.torch_share(raw, position)
+        if n <= 4099:
+            assert value == _reference(raw.tolist(), position)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_fused_copy_across_threads_adds_up_per_piece(monkeypatch, threads):
+    """Many pieces, their bytes cut into stretches that end inside pieces and lanes: each
+    piece's share is the reference's, whatever thread summed which part of it."""
+    if not ck.accelerated():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(ck, "PARALLEL_BYTES", 1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = random.Random(threads)
+        pieces, expected = [], []
+        for k in range(9):
+            dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
+            source, target = _pair(dtype, rng.choice([1, 3, 999, 5000, ck.BLOCK_LANES + 1]), k)
+            position = rng.randrange(4 * ck.BLOCK_LANES)
+            pieces.append((source, target, position))
+            expected.append(ck.torch_share(source.view(torch.uint8), position))
+        assert ck.copy_shares(pieces) == expected
+        assert all(torch.equal(source, target) for source, target, _ in pieces)
+        assert ck.shares([(target, position) for _, target, position in pieces]) == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fused_copy_shares_of_a_split_buffer_add_up_to_its_checksum():
+    """A buffer copied in parts (the pieces sharded ranks write) sums to its checksum."""
+    source = _random(3 * 4 * ck.BLOCK_LANES + 11, 4)
+    target = torch.zeros_like(source)
+    cuts = [0, 1, 7, 4 * ck.BLOCK_LANES - 2, 9 * ck.BLOCK_LANES + 1, source.numel()]
+    parts = [(source[lo:hi], target[lo:hi], lo) for lo, hi in itertools.pairwise(cuts)]
+    assert ck.combine(ck.copy_shares(parts)) == ck.checksum(source)
+    assert torch.equal(source, target)
+
+
+def test_a_cast_or_a_strided_source_is_copied_by_torch_with_the_same_numbers():
+    source = torch.randn(3000, 7)
+    target = torch.zeros(7, 3000, dtype=torch.bfloat16)
+    transposed = torch.zeros(7, 3000)
+    values = ck.copy_shares([(source.t(), target, 3), (source.t(), transposed, 1)])
+    assert torch.equal(target, source.t().to(torch.bfloat16))
+    assert torch.equal(transposed, source.t())
+    assert values == [ck.torch_share(target.view(torch.uint8).reshape(-1), 3),
+                      ck.torch_share(transposed.view(torch.uint8).reshape(-1), 1)]
+
+
+def test_sums_and_the_fused_copy_take_tensors_that_require_grad():
+    source = torch.randn(1000, requires_grad=True)
+    target = torch.zeros(1000)
+    assert ck.copy_shares([(source, target, 0)]) == [ck.checksum(source.detach())]
+    assert torch.equal(target, source.detach())
+    assert ck.share(source, 3) == ck.torch_share(source.detach(), 3)

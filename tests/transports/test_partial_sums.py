@@ -85,3 +85,31 @@ def test_the_pack_sums_what_a_second_read_would(dtype) -> None:
     assert sums == bucket_checksums(layout, data)
     views = layout.tensor_views({"cpu": data})
     assert all(torch.equal(views[k], v.to(views[k].dtype)) for k, v in weights.items())
+
+
+def test_the_pack_split_across_threads_sums_what_a_second_read_would(monkeypatch) -> None:
+    """Buckets of several dtypes, odd sizes, copied and summed on three threads whose
+    stretches end inside tensors: the same checksums and bytes as a second read."""
+    from weightsync.core import checksum as ck
+
+    monkeypatch.setattr(ck, "PARALLEL_BYTES", 1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        generator = torch.Generator().manual_seed(5)
+        weights = {"a": torch.randn(70_001, generator=generator).to(torch.bfloat16),
+                   "b": torch.randn(3, 7, generator=generator),
+                   "c": torch.randint(0, 9, (13,), dtype=torch.int8, generator=generator),
+                   "d": torch.randn(5, 4001, generator=generator),
+                   "e": torch.randn(3, generator=generator).to(torch.bfloat16)}
+        layout = file_layout(Layout([TensorSpec(k, tuple(v.shape), v.dtype) for k, v in weights.items()]))
+        data = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        sums = pack_with_checksums(layout, weights, data)
+        assert len(sums) == len(layout.buckets) > 1
+        assert sums == bucket_checksums(layout, data)
+        monkeypatch.setattr(ck, "_kernels", lambda: None)
+        assert sums == bucket_checksums(layout, data)  # the torch reference's numbers
+        views = layout.tensor_views({"cpu": data})
+        assert all(torch.equal(views[k], v) for k, v in weights.items())
+    finally:
+        torch.set_num_threads(before)

@@ -17,16 +17,19 @@ wrote. It guards against corruption and misplaced writes, not against someone wh
 write the bytes and their checksum (that is the token's job).
 
 With numba (``core.checksum_kernels``) the sum runs as a vectorised kernel, a large range
-split across torch's thread count; without it, or for tensors outside the CPU (NCCL
-chunks), the same numbers come from torch (slower).
+split across torch's thread count, and a copy can be fused with it (:func:`copy_shares`:
+each lane summed as it is copied, the directory's commit pack); without numba, or for
+tensors outside the CPU (NCCL chunks), the same numbers come from torch (slower).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,8 +106,9 @@ def _weights_on(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any] | None:
-    """The numba kernels (range, strided) and the weights as a uint32 array, or None
+def _kernels() -> tuple[Any, Any, Any, Any] | None:
+    """The numba kernels (range, strided), the weights as a uint32 array and the fused
+    copy kernel, or None
     without numba (then torch computes the same numbers)."""
     try:
         import numpy as np
@@ -117,7 +121,9 @@ def _kernels() -> tuple[Any, Any, Any] | None:
         raw = np.zeros(16, dtype=np.uint8)  # compile now, not inside the first timed sum
         checksum_kernels.range_share(raw, 1, 15, 3, lanes, BLOCK_LANES, BLOCK_SEED)
         checksum_kernels.strided_share(raw, 1, 2, 7, 3, lanes, BLOCK_LANES, BLOCK_SEED)
-        return checksum_kernels.range_share, checksum_kernels.strided_share, lanes
+        checksum_kernels.copy_share(raw[:7], raw[8:15], 3, lanes, BLOCK_LANES, BLOCK_SEED)
+        return (checksum_kernels.range_share, checksum_kernels.strided_share, lanes,
+                checksum_kernels.copy_share)
     except Exception as exc:  # pragma: no cover - a numba that cannot compile here
         logger.warning("numba cannot compile the checksum kernels (%s): using torch", exc)
         return None
@@ -129,7 +135,8 @@ def accelerated() -> bool:
 
 
 def _bytes_of(buffer: torch.Tensor) -> torch.Tensor:
-    flat = buffer.reshape(-1)
+    """The bytes of ``buffer`` as a flat uint8 tensor (outside autograd)."""
+    flat = buffer.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
@@ -210,34 +217,134 @@ def _threads(nbytes: int) -> int:
 def share(data: torch.Tensor, position: int = 0, *, parallel: bool = True) -> int:
     """What the bytes of ``data`` add to the checksum of a buffer in which they lie at
     byte ``position``: shares of disjoint ranges add up (mod 2**64) to the whole's. A
-    large range is cut at lane boundaries and summed on several threads (the kernel
-    releases the GIL) unless ``parallel`` is False (a piece just written, still in this
-    thread's cache)."""
-    raw = _bytes_of(data)
+    large range is summed on several threads (the kernel releases the GIL) unless
+    ``parallel`` is False (a piece just written, still in this thread's cache)."""
+    return shares([(data, position)], parallel=parallel)[0]
+
+
+def shares(pieces: Sequence[tuple[torch.Tensor, int]], *, parallel: bool = True) -> list[int]:
+    """:func:`share` of each ``(data, position)``, all the pieces' bytes cut into one
+    stretch per thread (a reader's verify of many buckets, small or large, in one go)."""
+    raws = [_bytes_of(data) for data, _ in pieces]
+    kernels = _kernels()
+    if kernels is None or any(raw.device.type != "cpu" for raw in raws):
+        return [_share_here(raw, position) for raw, (_, position) in zip(raws, pieces, strict=True)]
+    range_kernel, _, lanes, _ = kernels
+    arrays = [raw.numpy() for raw in raws]
+    positions = [position for _, position in pieces]
+
+    def part(item: int, lo: int, hi: int) -> int:
+        return int(range_kernel(arrays[item], lo, hi, positions[item] + lo, lanes, BLOCK_LANES,
+                                BLOCK_SEED))
+
+    sizes = [array.shape[0] for array in arrays]
+    return _spread(sizes, part, _threads(sum(sizes)) if parallel else 1)
+
+
+def _share_here(raw: torch.Tensor, position: int) -> int:
+    """:func:`share` of one piece on the calling thread (torch outside the CPU or without
+    numba)."""
     kernels = _kernels() if raw.device.type == "cpu" else None
     if kernels is None:
         return torch_share(raw, position)
-    range_kernel, _, lanes = kernels
-    array = raw.numpy()
-
-    def part(lo: int, hi: int) -> int:
-        return int(range_kernel(array, lo, hi, position + lo, lanes, BLOCK_LANES, BLOCK_SEED))
-
-    return _split(array.shape[0], position, part, _threads(array.shape[0]) if parallel else 1)
+    range_kernel, _, lanes, _ = kernels
+    array = _bytes_of(raw).numpy()
+    return int(range_kernel(array, 0, array.shape[0], position, lanes, BLOCK_LANES, BLOCK_SEED))
 
 
-def _split(n: int, position: int, part: Any, parts: int) -> int:
-    """``part(lo, hi)`` over ``0..n`` cut at lane boundaries into ``parts`` summed on as
-    many threads, added up."""
-    if parts == 1:
-        return int(part(0, n))
-    cuts = [0] + [min(n, (n * k // parts) // 4 * 4 + (-position) % 4) for k in range(1, parts)] + [n]
-    results: list[int] = [0] * parts
+#: bytes a copy that cannot be fused (a cast, a GPU source) writes before it sums them,
+#: while they are still in cache
+COPY_PIECE_BYTES = 4 << 20
+
+
+def copy_shares(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> list[int]:
+    """Copy each ``source`` into ``target`` (``target.copy_(source)``: the same shape, a
+    cast where the dtypes differ) and return the :func:`share` of ``target``'s bytes at
+    byte ``position``, for each ``(source, target, position)``.
+
+    Where numba is here and a source is a CPU tensor of its target's dtype, one kernel
+    copies and sums each lane while it is in a register (one read of the source, one
+    write of the target), all the pieces' bytes cut into one stretch per thread (torch's
+    thread count). Anything else (a cast, a GPU tensor) is copied by torch in
+    :data:`COPY_PIECE_BYTES` pieces, each summed right after it is written."""
+    kernels = _kernels()
+    results = [0] * len(pieces)
+    fused: list[int] = []
+    for index, (source, target, position) in enumerate(pieces):
+        if kernels is not None and _fusable(source, target):
+            fused.append(index)
+        else:
+            results[index] = _copy_then_share(source, target, position)
+    if not fused or kernels is None:
+        return results
+    _, _, lanes, copy_kernel = kernels
+    sources = [_bytes_of(pieces[i][0]).numpy() for i in fused]
+    targets = [_bytes_of(pieces[i][1]).numpy() for i in fused]
+    positions = [pieces[i][2] for i in fused]
+
+    def part(item: int, lo: int, hi: int) -> int:
+        return int(copy_kernel(sources[item][lo:hi], targets[item][lo:hi], positions[item] + lo,
+                               lanes, BLOCK_LANES, BLOCK_SEED))
+
+    sizes = [array.shape[0] for array in sources]
+    for index, value in zip(fused, _spread(sizes, part, _threads(sum(sizes))), strict=True):
+        results[index] = value
+    return results
+
+
+def _fusable(source: torch.Tensor, target: torch.Tensor) -> bool:
+    """True if the fused kernel can copy ``source`` into ``target`` byte for byte."""
+    return (source.device.type == "cpu" and target.device.type == "cpu"
+            and source.dtype == target.dtype and source.shape == target.shape
+            and source.layout == torch.strided and source.is_contiguous()
+            and target.is_contiguous() and not source.is_conj() and not source.is_neg())
+
+
+def _copy_then_share(source: torch.Tensor, target: torch.Tensor, position: int) -> int:
+    """Copy ``source`` into ``target`` with torch, piece by piece, each piece summed right
+    after it is written (still in cache)."""
+    if not target.is_contiguous():
+        raise ValueError("copy_shares writes into contiguous targets only")
+    flat_target, flat_source = target.reshape(-1), source.reshape(-1)
+    step = max(1, COPY_PIECE_BYTES // max(1, flat_target.element_size()))
+    total, written = 0, 0
+    for start in range(0, flat_target.numel(), step):
+        piece = flat_target[start : start + step]
+        piece.copy_(flat_source[start : start + step])
+        size = piece.numel() * piece.element_size()
+        total += _share_here(_bytes_of(piece), position + written)
+        written += size
+    return total & _MASK
+
+
+def _spread(sizes: Sequence[int], part: Callable[[int, int, int], int], parts: int) -> list[int]:
+    """``part(item, lo, hi)`` over bytes ``lo..hi`` of items of ``sizes``, all their bytes
+    cut into ``parts`` stretches of about equal length, one per thread; each item's
+    total (mod 2**64). A thread's stretch may cover the end of one item and the start of
+    the next: it passes each its own range (their positions are absolute, so any cut adds
+    up)."""
+    results = [0] * len(sizes)
+    total = sum(sizes)
+    if parts <= 1 or total == 0:
+        for item, size in enumerate(sizes):
+            if size:
+                results[item] = int(part(item, 0, size)) & _MASK
+        return results
+    starts = list(itertools.accumulate(sizes, initial=0))
+    cuts = [total * k // parts // 64 * 64 for k in range(parts)] + [total]
+    partial: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
     errors: list[BaseException] = []
 
     def run(k: int) -> None:
         try:
-            results[k] = int(part(cuts[k], cuts[k + 1]))
+            lo, hi = cuts[k], cuts[k + 1]
+            item = bisect.bisect_right(starts, lo) - 1
+            while lo < hi and item < len(sizes):
+                end = min(hi, starts[item + 1])
+                if end > lo:
+                    partial[k].append((item, int(part(item, lo - starts[item], end - starts[item]))))
+                lo = end
+                item += 1
         except BaseException as exc:  # re-raised in the caller's thread below
             errors.append(exc)
 
@@ -252,7 +359,10 @@ def _split(n: int, position: int, part: Any, parts: int) -> int:
         thread.join()
     if errors:
         raise errors[0]
-    return combine(results)
+    for found in partial:
+        for item, value in found:
+            results[item] += value
+    return [value & _MASK for value in results]
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -273,7 +383,7 @@ def strided_share(raw: torch.Tensor, start: int, rows: int, stride: int, width: 
     if kernels is None:
         return sum(range_share(data, start + k * stride, start + k * stride + width)
                    for k in range(rows)) & _MASK
-    _, strided_kernel, lanes = kernels
+    _, strided_kernel, lanes, _ = kernels
     return int(strided_kernel(data.numpy(), start, rows, stride, width, lanes, BLOCK_LANES,
                               BLOCK_SEED))
 

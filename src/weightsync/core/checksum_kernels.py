@@ -97,3 +97,56 @@ def _strided_share(raw: Any, start: Any, rows: Any, stride: Any, width: Any, wei
 
 
 strided_share = _compile(_strided_share)
+
+
+@numba.njit(inline="always")  # type: ignore[misc, unused-ignore]
+def _copy_lanes_share(source: Any, target: Any, first_lane: Any, weights: Any, block_lanes: Any,
+                      seed: Any) -> Any:
+    """Copy ``source`` (uint32 lanes) into ``target`` and return what they add at absolute
+    lane ``first_lane``: each lane is summed as it is copied, read once."""
+    total = _U64(0)
+    done = 0
+    count = source.shape[0]
+    while done < count:
+        lane = first_lane + done
+        block, j = lane // block_lanes, lane % block_lanes
+        run = min(block_lanes - j, count - done)
+        acc = _U64(0)
+        values, out, factors = source[done:done + run], target[done:done + run], weights[j:j + run]
+        for k in range(run):  # vectorised: a load, a store, 32x32->64 multiplies
+            value = values[k]
+            out[k] = value
+            acc += _U64(value) * _U64(factors[k])
+        total += acc * _multiplier(block, seed)
+        done += run
+    return total
+
+
+def _copy_share(source: Any, target: Any, position: Any, weights: Any, block_lanes: Any,
+                seed: Any) -> Any:
+    """Copy the bytes ``source`` into ``target`` (as long) and return what they add when
+    they lie at absolute byte ``position``."""
+    total = _U64(0)
+    stop = source.shape[0]
+    i, p = 0, position
+    while i < stop and p % 4 != 0:
+        target[i] = source[i]
+        total += _byte_term(source[i], p, weights, block_lanes, seed)
+        i += 1
+        p += 1
+    whole = (stop - i) // 4 * 4
+    if whole > 0:
+        total += _copy_lanes_share(source[i:i + whole].view(np.uint32),
+                                   target[i:i + whole].view(np.uint32), p // 4, weights,
+                                   block_lanes, seed)
+        i += whole
+        p += whole
+    while i < stop:
+        target[i] = source[i]
+        total += _byte_term(source[i], p, weights, block_lanes, seed)
+        i += 1
+        p += 1
+    return total
+
+
+copy_share = _compile(_copy_share)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.checksum import copy_shares
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
@@ -86,10 +87,21 @@ class RankPart:
             raise IntegrityError(f"{slot.path} holds another layout than this rank's model")
         views = slot.layout.tensor_views(slot.buffers)
         shares = [0] * len(slot.layout.buckets)
-        for piece in self.pieces:  # summed right after writing, while still in cache
-            write_pieces([piece], views)
+        whole_rows, owners = [], []
+        for piece in self.pieces:
+            target = views[piece.name][tuple(slice(lo, hi) for lo, hi in piece.region)]
+            if target.is_contiguous():  # one byte range of its bucket: copied and summed at once
+                index = self.geometry.bucket_of[piece.name]
+                start = int(target.storage_offset()) * target.element_size() \
+                    - int(slot.data.storage_offset()) - slot.layout.buckets[index].byte_offset
+                whole_rows.append((piece.local.detach(), target, start))
+                owners.append(index)
+                continue
+            write_pieces([piece], views)  # a column block: summed right after, while in cache
             share = region_sums(self.geometry, slot.data, [(piece.name, piece.region)])
             shares = [(a + b) & 0xFFFFFFFFFFFFFFFF for a, b in zip(shares, share, strict=True)]
+        for index, value in zip(owners, copy_shares(whole_rows), strict=True):
+            shares[index] = (shares[index] + value) & 0xFFFFFFFFFFFFFFFF
         return shares
 
 

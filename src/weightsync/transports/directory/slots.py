@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from weightsync.core.checksum import checksum, combine, share
+from weightsync.core.checksum import combine, copy_shares, shares
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout, TensorSpec
 from weightsync.transports.directory.files import create_temp, open_regular
@@ -147,12 +147,10 @@ def parse_header(raw: bytes, file_size: int, source: str = "slot file") -> tuple
 def bucket_checksums(layout: Layout, data: torch.Tensor) -> list[int]:
     """One checksum per bucket (:func:`weightsync.core.checksum.checksum`: it sees where each
     4-byte lane is, so swapped pages, rows or words are caught, not only flipped bytes); it
-    guards against corruption and misplaced writes, not against an attacker."""
-    return [checksum(data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes])
-            for bucket in layout.buckets]
-
-
-_PIECE_BYTES = 4 << 20  # small enough that a piece is still in cache when it is summed
+    guards against corruption and misplaced writes, not against an attacker. All buckets
+    are summed in one go, their bytes cut into one stretch per thread."""
+    return shares([(data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes], 0)
+                   for bucket in layout.buckets])
 
 
 @torch.no_grad()
@@ -160,26 +158,21 @@ def pack_with_checksums(
     layout: Layout, weights: Mapping[str, torch.Tensor], data: torch.Tensor
 ) -> list[int]:
     """Copy ``weights`` into ``data`` (casting where the layout says) and return the same
-    checksums as :func:`bucket_checksums`, summing each piece right after writing it (the
-    checksum is linear: the pieces' shares add up to the bucket's)."""
+    checksums as :func:`bucket_checksums`, summing each lane as it is copied
+    (:func:`weightsync.core.checksum.copy_shares`: the checksum is linear, the tensors'
+    shares add up to their bucket's)."""
     views = layout.tensor_views({"cpu": data})
-    sums = []
-    for bucket in layout.buckets:
-        raw = data[bucket.byte_offset : bucket.byte_offset + bucket.nbytes]
-        total, written = 0, 0
+    pieces, owners = [], []
+    for index, bucket in enumerate(layout.buckets):
         for name in bucket.names:
-            src = weights[name].detach().reshape(-1)
-            dst = views[name].reshape(-1)
-            step = max(1, _PIECE_BYTES // dst.element_size())
-            for start in range(0, dst.numel(), step):
-                piece = dst[start : start + step]
-                piece.copy_(src[start : start + step])
-                size = piece.numel() * piece.element_size()
-                # summed on this thread, while in cache (threads measured no faster here)
-                total += share(raw[written : written + size], written, parallel=False)
-                written += size
-        sums.append(combine([total]))
-    return sums
+            target = views[name].reshape(-1)
+            position = int(target.storage_offset()) * target.element_size() - int(data.storage_offset())
+            pieces.append((weights[name].detach().reshape(-1), target, position - bucket.byte_offset))
+            owners.append(index)
+    sums = [0] * len(layout.buckets)
+    for index, value in zip(owners, copy_shares(pieces), strict=True):
+        sums[index] += value
+    return [combine([total]) for total in sums]
 
 
 def reserve(fd: int, size: int, path: Path) -> None:
