@@ -151,6 +151,8 @@ FULL_TIER: tuple[str, ...] = (
 FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray
     ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
+    # a rank lost and restarted on the network path (~10 s: two rank processes start)
+    ("tests/transports/test_net_sharded.py", "test_a_lost_rank_fails"),
 )
 
 
