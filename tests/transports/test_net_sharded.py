@@ -11,11 +11,11 @@ import secrets
 import time
 from pathlib import Path
 
+import net_ranks
 import pytest
 import torch
 
 import weightsync as ws
-from tests import net_ranks
 from weightsync.core.deadline import Deadline
 from weightsync.integrations.vllm.remote import HostReceiver, request_key
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
