@@ -427,10 +427,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         deadline = Deadline(self.timeout)
         version = self._next
         if self.member is not None:
-            own = self.member.own.publisher
+            own, started = self.member.own.publisher, time.perf_counter()
             self.version = self.member.send(flat, version, deadline)
             self._next = self.version + 1
-            self._record(what, 0.0, own.figures(self.version), {})
+            self._record(what, time.perf_counter() - started, own.figures(self.version), {})
             return
         assert self.lead is not None
         asked: list[bool] = []
@@ -442,6 +442,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 self._needs_init = set(range(len(self.clients)))
                 self.addresses = addresses
             if what == "init":
+                self._needs_init = set()  # each server is initialised now (failures: again)
                 self._each_server("init", self._init_server, lambda: None)
             else:
                 self._each_server("update", self._update_server, lambda: None)
