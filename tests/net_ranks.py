@@ -34,13 +34,13 @@ def rank_flat(rank: int, version: int) -> dict[str, Any]:
 
 
 def member_main(rank_key: str, versions: int, timeout: float, results: Any,
-                first: int = 0) -> None:
+                first: int = 0, board: str = "") -> None:
     """Rank 1: send versions ``first .. first + versions - 1``, reporting what each send
     returned (or its error)."""
     from weightsync.transports.net.sharded import NetRankMember
 
     member = NetRankMember("127.0.0.1:0", rank_key, 1, dtype=torch.bfloat16, timeout=timeout,
-                           delta=True)
+                           delta=True, board=board)
     try:
         member.open(Deadline(timeout))
         for version in range(first, first + versions):

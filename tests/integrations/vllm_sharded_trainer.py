@@ -3,8 +3,8 @@ gloo mesh) driving a remote ``vllm serve`` through the network path with
 ``trainer_ranks=2``: each rank serves only its own shards. Spawned by the tests (this module
 is imported in the child). Every rank applies the same seeded perturbation to its shards
 (no collective in weightsync; the perturbation itself is computed from a full reference
-copy every rank holds); rank 0 reports, after each update, the server's greedy tokens and
-the reference's, cast to bf16."""
+copy every rank holds), then a small step (a few rows); rank 0 reports, after each update,
+the server's greedy tokens and the reference's, cast to bf16."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _server_greedy(url: str, model_dir: str) -> list[list[int]]:
 
 
 def fsdp_rank(rank: int, world: int, port: int, url: str, model_dir: str, address: str,
-              rank_key: str, steps: int) -> list[dict[str, Any]]:
+              rank_key: str, steps: int, ranks_address: str = "") -> list[dict[str, Any]]:
     from sharded_ranks import init_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -59,12 +59,17 @@ def fsdp_rank(rank: int, world: int, port: int, url: str, model_dir: str, addres
     fully_shard(model, mesh=mesh)
     engine = WeightTransferTrainerFactory.trainer_init(
         WeightSyncTrainerInitInfo(rank=rank, trainer_ranks=world, rank_key=rank_key,
-                                  address=address, dtype="bfloat16", delta=True, timeout=120),
+                                  address=address, dtype="bfloat16", delta=True, timeout=120,
+                                  ranks_address=ranks_address),
         client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(model))
     report = []
     try:
-        for step in range(1, steps + 1):
-            vm.perturb(reference, step)
+        for step in range(1, steps + 2):
+            if step <= steps:
+                vm.perturb(reference, step)
+            else:  # a small step: a few rows change, so every rank sends a delta
+                with torch.no_grad():
+                    reference.lm_head.weight[:4] += 0.05
             _copy_shards(model, reference)
             engine.send_weights()
             last = engine.stats()["last"]

@@ -7,6 +7,7 @@ gathers anything. A missing rank is ``TrainerRankLostError`` naming it, within t
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import secrets
 import time
 from pathlib import Path
@@ -14,12 +15,13 @@ from pathlib import Path
 import net_ranks
 import pytest
 import torch
+from sharded_ranks import free_port
 
 import weightsync as ws
 from weightsync.core.deadline import Deadline
 from weightsync.integrations.vllm.remote import HostReceiver, request_key
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
-from weightsync.transports.net.sharded import NetRankLead, NetRankMember, host_token
+from weightsync.transports.net.sharded import NetRankLead, NetRankMember, board_address, host_token
 
 pytest.importorskip("zstandard")
 
@@ -40,15 +42,19 @@ def _read_staged(directory: Path, local: int) -> dict[str, torch.Tensor]:
     return model
 
 
-def test_two_ranks_stream_their_own_rows_to_a_host(tmp_path: Path):
+@pytest.mark.parametrize("board", ["host", "tcp"])
+def test_two_ranks_stream_their_own_rows_to_a_host(tmp_path: Path, board: str):
+    """``board``: the ranks meet on the trainer's host, or over TCP (ranks on several hosts)."""
     key = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     versions = 3
-    child = ctx.Process(target=net_ranks.member_main, args=(key, versions, TIMEOUT, results),
-                        daemon=True)
+    at = f"127.0.0.1:{free_port()}" if board == "tcp" else ""
+    child = ctx.Process(target=net_ranks.member_main,
+                        args=(key, versions, TIMEOUT, results, 0, at), daemon=True)
     child.start()
-    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=torch.bfloat16, timeout=TIMEOUT, delta=True)
+    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=torch.bfloat16, timeout=TIMEOUT, delta=True,
+                       board=at)
     host = HostReceiver(tmp_path / "staged", 1, "host-b", TIMEOUT)
     staged: dict[int, int] = {}
     kinds: list[dict[str, int]] = []
@@ -143,3 +149,61 @@ def test_a_lost_rank_fails_the_version_and_the_next_takes_its_number(tmp_path: P
         for child in (first, second):
             if child is not None and child.is_alive():
                 child.kill()
+
+
+@pytest.mark.parametrize("board", ["host", "tcp"])
+def test_a_server_holding_the_host_token_cannot_join_the_ranks(board: str):
+    """What a server host holds (the host token, in its ``init_info``) does not pass rank 0's
+    rank handshake, on the host's board or over TCP: the rank key stays with the ranks."""
+    from weightsync.transports.net.board import connect_tcp
+    from weightsync.transports.shm.ranks import RankLink
+
+    key = secrets.token_hex(32)
+    at = f"127.0.0.1:{free_port()}" if board == "tcp" else ""
+    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=None, timeout=5, delta=False, board=at)
+    if at:
+        link = RankLink(at, host_token(key), None, 1, lambda *_: None, lambda *_: None,
+                        connect=lambda timeout: connect_tcp(at, timeout))
+    else:
+        link = RankLink(board_address(key), host_token(key), os.getuid(), 1,
+                        lambda *_: None, lambda *_: None)
+    try:
+        with pytest.raises(ws.TrainerRankLostError, match="could not join rank 0"):
+            link.open(Deadline(5.0))
+        with pytest.raises(ws.TrainerRankLostError) as info:
+            lead.send(net_ranks.rank_flat(0, 0), 0, Deadline(1.5),
+                      lambda v, a: pytest.fail("delivered without rank 1"))
+        assert info.value.rank == 1
+    finally:
+        link.close()
+        lead.close()
+
+
+def test_a_rank_that_dies_while_the_hosts_fetch_is_named(tmp_path: Path):
+    """Rank 1 wrote its part and dies before the host fetched it: the host's fetch fails,
+    and rank 0's send raises ``TrainerRankLostError`` naming rank 1 (not only the host)."""
+    key = secrets.token_hex(32)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=net_ranks.member_main, args=(key, 1, TIMEOUT, results),
+                        daemon=True)
+    child.start()
+    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=torch.bfloat16, timeout=TIMEOUT, delta=True)
+    host = HostReceiver(tmp_path / "staged", 1, "host-b", TIMEOUT)
+
+    def deliver(version: int, addresses: list[str]) -> None:
+        child.kill()
+        child.join(TIMEOUT)
+        time.sleep(0.5)  # rank 0's board sees the connection end
+        host.stage(addresses, host_token(key), version, request_key("t", "0"), TIMEOUT)
+
+    try:
+        with pytest.raises(ws.TrainerRankLostError) as info:
+            lead.send(net_ranks.rank_flat(0, 0), 0, Deadline(TIMEOUT), deliver)
+        assert info.value.rank == 1 and "while the hosts fetched version 0" in str(info.value)
+        assert "cannot reach the trainer" in str(info.value)
+    finally:
+        lead.close()
+        host.close()
+        if child.is_alive():
+            child.kill()

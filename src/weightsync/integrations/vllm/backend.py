@@ -317,6 +317,9 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     #: the ranks' shared secret (e.g. ``secrets.token_hex(32)``, made by the launcher);
     #: empty: the ``WEIGHTSYNC_RANK_KEY`` environment variable. Servers never receive it.
     rank_key: str = ""
+    #: ``HOST:PORT`` where rank 0 meets the other ranks when they run on several hosts
+    #: (every rank passes the same); empty: the ranks meet on the trainer's host
+    ranks_address: str = ""
 
 
 #: where a sharded trainer's ranks find their rank key when ``rank_key`` is not given
@@ -399,6 +402,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 "rank listens for the servers' hosts (one host with a shared directory: "
                 "VLLMDoubleBufferSyncScheme(directory, trainer_ranks=N))")
         rank = trainer_rank(init_info.rank, ranks)
+        if init_info.ranks_address:
+            split_address(init_info.ranks_address)
         key = checked_rank_key(init_info.rank_key or os.environ.get(RANK_KEY_ENV, ""), ranks)
         if init_info.delta:
             check_delta_available()
@@ -406,7 +411,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         engine.dtype = getattr(torch, init_info.dtype) if init_info.dtype else None
         engine.timeout = required_timeout(init_info.timeout, "timeout")
         options: dict[str, Any] = {"dtype": engine.dtype, "timeout": engine.timeout,
-                                   "delta": init_info.delta}
+                                   "delta": init_info.delta, "board": init_info.ranks_address}
         try:
             if rank == 0:
                 engine._token = host_token(key)

@@ -4,9 +4,10 @@ and puts the global tensors together. No rank gathers anything, and nothing runs
 trainer's process group.
 
 The coordination is the rank protocol (:mod:`weightsync.transports.ranks`) over SharedMem's
-rank board (:mod:`weightsync.transports.shm.ranks`: socket messages between the ranks of
-one host, both ways authenticated with the *rank key*). What is the network's is the data
-plane. Version ``n``:
+rank board (:mod:`weightsync.transports.shm.ranks`: socket messages, both ways
+authenticated with the *rank key*): on the trainer's host by default, or over TCP at a
+``board`` address rank 0 listens at (:mod:`.board`) when the ranks run on several hosts.
+What is the network's is the data plane. Version ``n``:
 
 1. Each rank announces its hello (global layout, the regions it holds); rank 0 checks the
    layouts and that the regions tile every tensor exactly once, before any byte moves.
@@ -36,9 +37,10 @@ from typing import Any
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import IntegrityError, WeightSyncError
+from weightsync.core.errors import IntegrityError, TrainerRankLostError, WeightSyncError
 from weightsync.core.layout import Layout
 from weightsync.core.shards import ShardPiece, describe_regions, global_layout, local_pieces
+from weightsync.transports.net.board import TcpRankListener, connect_tcp
 from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.packed import PackedVersion, plan
 from weightsync.transports.net.publisher import VersionPublisher
@@ -137,10 +139,13 @@ class NetRankLead:
     rank) returned; a lost rank fails the attempt on every rank."""
 
     def __init__(self, address: str, rank_key: str, ranks: int, *, dtype: torch.dtype | None,
-                 timeout: float, delta: bool) -> None:
+                 timeout: float, delta: bool, board: str = "") -> None:
         self.ranks = ranks
         self.own = RankPublisher(0, address, rank_key, dtype, timeout, delta)
-        self.hub = RankHub(board_address(rank_key), rank_key, os.getuid(), ranks)
+        if board:  # ranks on several hosts: the board over TCP at that HOST:PORT
+            self.hub = RankHub(board, rank_key, None, ranks, listener=TcpRankListener(board))
+        else:
+            self.hub = RankHub(board_address(rank_key), rank_key, os.getuid(), ranks)
         self.lead = RankLead(self.hub, ranks)
         self.hub.start()
 
@@ -159,12 +164,26 @@ class NetRankLead:
             dones = self.lead.wait_done(attempt, deadline)
             addresses = [own.address] + [_address(dones[r].detail, r)
                                          for r in range(1, self.ranks)]
-            deliver(version, addresses)
+            try:
+                deliver(version, addresses)
+            except Exception as exc:
+                self._blame_lost_rank(attempt, exc)
+                raise
         except BaseException as exc:
             self.lead.fail(version, exc)
             raise
         self.lead.commit()
         return addresses
+
+    def _blame_lost_rank(self, attempt: Plan, error: Exception) -> None:
+        """A delivery that failed while a rank was lost (it died while the hosts fetched its
+        part) is that rank's ``TrainerRankLostError``, not only the servers' error."""
+        for rank in range(1, self.ranks):
+            why = self.hub.lost(rank, attempt.incarnations[rank])
+            if why:
+                raise TrainerRankLostError(
+                    f"trainer rank {rank} {why} while the hosts fetched version "
+                    f"{attempt.version} ({type(error).__name__}: {error})", rank=rank) from error
 
     def close(self) -> None:
         self.hub.close()
@@ -183,11 +202,15 @@ class NetRankMember:
     version rank 0 plans."""
 
     def __init__(self, address: str, rank_key: str, rank: int, *, dtype: torch.dtype | None,
-                 timeout: float, delta: bool) -> None:
+                 timeout: float, delta: bool, board: str = "") -> None:
         self.rank = rank
         self.own = RankPublisher(rank, address, rank_key, dtype, timeout, delta)
-        self.link = RankLink(board_address(rank_key), rank_key, os.getuid(), rank,
-                             lambda *_: None, lambda *_: None)
+        if board:  # rank 0's board over TCP (ranks on several hosts)
+            self.link = RankLink(board, rank_key, None, rank, lambda *_: None, lambda *_: None,
+                                 connect=lambda timeout: connect_tcp(board, timeout))
+        else:
+            self.link = RankLink(board_address(rank_key), rank_key, os.getuid(), rank,
+                                 lambda *_: None, lambda *_: None)
         self.member = RankMember(self.link, rank)
 
     def open(self, deadline: Deadline) -> None:
