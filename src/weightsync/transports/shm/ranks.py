@@ -9,6 +9,8 @@ again (a restart). Records travel as ``rank.hello``/``rank.done`` (rank -> rank 
 ``rank.plan``/``rank.outcome`` (rank 0 -> every rank). Beside them, the data plane: rank 0
 hands each new slot to the ranks before sealing it (``rank.slot`` with its fd, answered
 ``rank.mapped``) and retires slots a new connection has not mapped (``rank.retire``).
+The network path's sharded ranks use the same hub and links, on this host or over TCP
+(:mod:`weightsync.transports.net.board`), without the slot messages.
 """
 
 from __future__ import annotations
