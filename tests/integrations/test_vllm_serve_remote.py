@@ -210,3 +210,34 @@ def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server:
             engine.shutdown()
     finally:
         tp.stop()
+
+
+def test_a_2_rank_fsdp2_trainer_streams_its_shards_from_every_rank(
+        hosts: TwoHostCluster, server: VLLMServer):
+    """``trainer_ranks=2``: two FSDP2 rank processes on host A each serve only their own
+    shards (no gather, no collective of weightsync's); the server's host fetches both ranks'
+    parts and loads the whole version. After each update its greedy tokens equal the
+    trainer's model cast to bf16; after a small step, each rank sends its part as deltas."""
+    import secrets
+
+    import vllm_sharded_trainer
+    from sharded_ranks import free_port, run_ranks
+
+    steps = 3
+    board = f"{ADDRESS_A}:{free_port()}"  # the ranks meet over TCP, as on several hosts
+    outcomes = run_ranks(vllm_sharded_trainer.fsdp_rank, 2, 600, free_port(), server.url,
+                         server.model_dir, f"{ADDRESS_A}:0", secrets.token_hex(32), steps, board)
+    assert all(o.ok for o in outcomes), [(o.error_type, o.error, o.traceback[-3000:])
+                                         for o in outcomes]
+    lead, member = outcomes[0].value, outcomes[1].value
+    assert [e["version"] for e in lead] == [e["version"] for e in member] == [1, 2, 3, 4]
+    for entry in lead:
+        assert entry["server"] == entry["expected"], entry["step"]
+    assert server.weight_version() == str(steps + 1)
+    for report in (lead, member):  # each rank sent its own part, one stream each
+        assert all(e["chunks"] > 0 and e["wire_bytes"] > 0 for e in report)
+        small = report[-1]  # a few rows changed: each rank sends the host a delta of its part
+        assert small["delta_chunks"] == small["chunks"]
+        assert small["wire_bytes"] < 0.3 * report[0]["wire_bytes"], report
+    print("sharded wire bytes per rank and version:",
+          [(e["wire_bytes"], m["wire_bytes"]) for e, m in zip(lead, member, strict=True)])

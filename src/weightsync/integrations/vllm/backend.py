@@ -25,10 +25,10 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -47,8 +47,9 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from weightsync.core.checks import checked_int
-from weightsync.core.deadline import checked_timeout, required_timeout
+from weightsync.core.deadline import Deadline, checked_timeout, required_timeout
 from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
+from weightsync.core.shards import sharded_flat
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
 from weightsync.integrations.vllm.plugin import register
@@ -64,9 +65,16 @@ from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferWeightReceiver,
     VLLMDoubleBufferWeightSender,
 )
+from weightsync.schemes.ranks import MAX_TRAINER_RANKS, checked_trainer_ranks, trainer_rank
 from weightsync.transports.delta.codec import check_available as check_delta_available
 from weightsync.transports.net.packed import PackedVersion, plan
 from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
+from weightsync.transports.net.sharded import (
+    NetRankLead,
+    NetRankMember,
+    checked_rank_key,
+    host_token,
+)
 from weightsync.transports.net.wire import split_address
 
 logger = logging.getLogger(__name__)
@@ -86,6 +94,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     address: str = ""
     token: str = ""
     ticket: str = ""
+    #: a sharded trainer: every rank's HOST:PORT, rank by rank (``address`` is rank 0's)
+    addresses: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
@@ -96,6 +106,11 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
             self.directory = engine_directory(self.directory)
         else:
             split_address(self.address)
+            if not isinstance(self.addresses, list) or len(self.addresses) > MAX_TRAINER_RANKS:
+                raise ValueError("init_info 'addresses' must be a list of HOST:PORT, one per "
+                                 "trainer rank")
+            for address in self.addresses:
+                split_address(address)
             if not self.token or not self.ticket:
                 raise ValueError("init_info with 'address' needs the trainer's 'token' and "
                                  "'ticket' (the weightsync trainer engine sends them)")
@@ -140,6 +155,11 @@ def _is_host_receiver() -> bool:
         return True
 
 
+def _trainer(info: WeightSyncInitInfo) -> str | list[str]:
+    """Where the host fetches from: the trainer's address, or every rank's (sharded)."""
+    return list(info.addresses) if info.addresses else info.address
+
+
 class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
     """The worker side: each update loads one committed version from the directory,
     checked against the served model's layout, through vLLM's layerwise reload."""
@@ -179,7 +199,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                     self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
                                              init_info.timeout)
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
-                local = self.host.stage(init_info.address, init_info.token, None, key,
+                local = self.host.stage(_trainer(init_info), init_info.token, None, key,
                                         init_info.timeout)
             else:
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
@@ -240,7 +260,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         timeout = remote.timeout if timeout is None else timeout
         key = request_key(remote.token, f"version/{version}")
         if self.host is not None:
-            local = self.host.stage(remote.address, remote.token, version, key, timeout)
+            local = self.host.stage(_trainer(remote), remote.token, version, key, timeout)
         else:
             local = wait_staged(self.staging, key, timeout,
                                 f"vLLM worker {self.worker_idx} on {self.host_label}")
@@ -291,6 +311,19 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     num_workers: int = 1
     address: str = ""
     delta: bool = False
+    #: a sharded trainer (network path): every rank ``rank=r`` in ``0..trainer_ranks-1``
+    #: calls ``trainer_init`` with its own ``address`` and the same ``rank_key``
+    trainer_ranks: int = 1
+    #: the ranks' shared secret (e.g. ``secrets.token_hex(32)``, made by the launcher);
+    #: empty: the ``WEIGHTSYNC_RANK_KEY`` environment variable. Servers never receive it.
+    rank_key: str = ""
+    #: ``HOST:PORT`` where rank 0 meets the other ranks when they run on several hosts
+    #: (every rank passes the same); empty: the ranks meet on the trainer's host
+    ranks_address: str = ""
+
+
+#: where a sharded trainer's ranks find their rank key when ``rank_key`` is not given
+RANK_KEY_ENV = "WEIGHTSYNC_RANK_KEY"
 
 
 def _server_name(client: Any) -> str:
@@ -321,6 +354,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._pack_seconds = 0.0
         self._token = ""
         self._needs_init: set[int] = set()  # servers to initialise again (they failed)
+        self.lead: NetRankLead | None = None  # rank 0 of a sharded trainer
+        self.member: NetRankMember | None = None  # rank 1..N-1 of a sharded trainer
+        self.addresses: list[str] = []  # every rank's, as the servers were last told
+        self._next = 0  # the number of a sharded trainer's next version
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -330,6 +367,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if bool(init_info.directory) == bool(init_info.address):
             raise ValueError("WeightSyncTrainerInitInfo needs exactly one of directory= (one "
                              "host) and address= (HOST:PORT the servers' hosts can reach)")
+        ranks = checked_trainer_ranks(init_info.trainer_ranks)
+        if ranks > 1:
+            return cls._sharded_init(init_info, ranks, client, source)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         weights = engine._materialise()
         if not engine.is_sender:
@@ -350,6 +390,74 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         })
         return engine
 
+    @classmethod
+    def _sharded_init(cls, init_info: WeightSyncTrainerInitInfo, ranks: int,
+                      client: VLLMWeightSyncClient, source: WeightSource) -> WeightSyncTrainerEngine:
+        """A sharded trainer's rank: rank 0 meets the other ranks and drives the servers;
+        every rank serves its own shards of each version from its own ``address``. The
+        first version (0) is sent here, by every rank."""
+        if not init_info.address:
+            raise ValueError(
+                f"trainer_ranks={ranks} takes the network path: address='HOST:PORT' where this "
+                "rank listens for the servers' hosts (one host with a shared directory: "
+                "VLLMDoubleBufferSyncScheme(directory, trainer_ranks=N))")
+        rank = trainer_rank(init_info.rank, ranks)
+        if init_info.ranks_address:
+            split_address(init_info.ranks_address)
+        key = checked_rank_key(init_info.rank_key or os.environ.get(RANK_KEY_ENV, ""), ranks)
+        if init_info.delta:
+            check_delta_available()
+        engine = cls(client=client, source=source, is_sender=rank == 0)
+        engine.dtype = getattr(torch, init_info.dtype) if init_info.dtype else None
+        engine.timeout = required_timeout(init_info.timeout, "timeout")
+        options: dict[str, Any] = {"dtype": engine.dtype, "timeout": engine.timeout,
+                                   "delta": init_info.delta, "board": init_info.ranks_address}
+        try:
+            if rank == 0:
+                engine._token = host_token(key)
+                engine.lead = NetRankLead(init_info.address, key, ranks, **options)
+            else:
+                engine.member = NetRankMember(init_info.address, key, rank, **options)
+                engine.member.open(Deadline(engine.timeout))
+            engine._send_sharded("init")
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def _send_sharded(self, what: str) -> None:
+        """One version of a sharded trainer: this rank's shards, never gathered (rank 0
+        also has every server fetch the version from every rank and load it)."""
+        flat = _shard_flat(self.source)
+        deadline = Deadline(self.timeout)
+        version = self._next
+        if self.member is not None:
+            own, started = self.member.own.publisher, time.perf_counter()
+            self.version = self.member.send(flat, version, deadline)
+            self._next = self.version + 1
+            self._record(what, time.perf_counter() - started, own.figures(self.version), {})
+            return
+        assert self.lead is not None
+        asked: list[bool] = []
+
+        def deliver(version: int, addresses: list[str]) -> None:
+            asked.append(True)  # from here on, a server may hold this version
+            self.version = version
+            if addresses != self.addresses:  # a rank (re)started elsewhere: servers start over
+                self._needs_init = set(range(len(self.clients)))
+                self.addresses = addresses
+            if what == "init":
+                self._needs_init = set()  # each server is initialised now (failures: again)
+                self._each_server("init", self._init_server, lambda: None)
+            else:
+                self._each_server("update", self._update_server, lambda: None)
+
+        try:
+            self.lead.send(flat, version, deadline, deliver)
+        finally:  # a version some server may hold keeps its number; one no host saw does not
+            if asked:
+                self._next = version + 1
+
     def _start_network(self, init_info: WeightSyncTrainerInitInfo,
                        weights: dict[str, torch.Tensor]) -> None:
         if init_info.delta:
@@ -368,11 +476,27 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     def _init_server(self, index: int, client: Any) -> None:
         """Have a server's host fetch the current version and every rank load it (a new or
         restarted server gets it whole)."""
+        info: dict[str, Any] = {"address": self._publisher().address, "token": self._token,
+                                "ticket": secrets.token_hex(8), "timeout": self.timeout}
+        if self.lead is not None:
+            info["addresses"] = list(self.addresses)
+        client.init_weight_transfer_engine(info)
+
+    def _publisher(self) -> VersionPublisher:
+        """This rank's listener (rank 0's own part, for a sharded trainer)."""
+        if self.lead is not None:
+            return self.lead.own.publisher
         assert self.publisher is not None
-        client.init_weight_transfer_engine({
-            "address": self.publisher.address, "token": self._token,
-            "ticket": secrets.token_hex(8), "timeout": self.timeout,
-        })
+        return self.publisher
+
+    def _update_server(self, index: int, client: Any) -> None:
+        """Have a server load ``self.version`` (initialised again first if it failed)."""
+        if index in self._needs_init:
+            self._init_server(index, client)
+            self._needs_init.discard(index)
+        client.start_weight_update()
+        client.update_weights({"version": self.version})
+        client.finish_weight_update(weight_version=str(self.version))
 
     def _materialise(self) -> dict[str, torch.Tensor]:
         assert self.source is not None
@@ -416,8 +540,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 errors[name] = future.exception()  # type: ignore[assignment]
             if name in errors:
                 self._needs_init.add(index)
-        assert self.publisher is not None
-        streams = self.publisher.wait_streams(self.version, len(self.clients) - len(errors), 5.0)
+        streams = self._publisher().wait_streams(self.version, len(self.clients) - len(errors), 5.0)
         self._record(what, time.perf_counter() - started, streams, errors)
         if errors:
             detail = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in errors.items())
@@ -445,24 +568,18 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats)}
 
     def send_weights(self) -> None:
-        """Send this round's weights, then have every vLLM worker load that version."""
+        """Send this round's weights, then have every vLLM worker load that version (a
+        sharded trainer: every rank calls it; each sends only its own shards)."""
+        if self.lead is not None or self.member is not None:
+            self._send_sharded("update")
+            return
         weights = self._materialise()
         if not self.is_sender:
             return
         if self.publisher is not None:
             self.version += 1
             packed = self._publish(weights)
-            version = self.version
-
-            def update(index: int, client: Any) -> None:
-                if index in self._needs_init:
-                    self._init_server(index, client)
-                    self._needs_init.discard(index)
-                client.start_weight_update()
-                client.update_weights({"version": version})
-                client.finish_weight_update(weight_version=str(version))
-
-            self._each_server("update", update, lambda: self._fill(packed, weights))
+            self._each_server("update", self._update_server, lambda: self._fill(packed, weights))
             return
         assert self.sender is not None
         self.version = self.sender.update_weights(weights)
@@ -477,6 +594,22 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        for ranks in (self.lead, self.member):
+            if ranks is not None:
+                ranks.close()
+        self.lead = self.member = None
+
+
+def _shard_flat(source: Any) -> dict[str, Any]:
+    """A sharded rank's weights as ``name -> DTensor | LocalShard | tensor``, never
+    gathered: vLLM's ``ModuleSource`` iterates ``full_tensor()`` (a collective), so its
+    module's parameters are read instead; a mapping or a module is taken as is."""
+    module = getattr(source, "_module", None)  # vLLM's ModuleSource keeps its module there
+    if isinstance(module, torch.nn.Module):
+        return sharded_flat(dict(module.named_parameters()))
+    if isinstance(source, (Mapping, torch.nn.Module)):
+        return sharded_flat(source)
+    return sharded_flat(dict(iter(source)))  # a WeightSource of (name, tensor) pairs
 
 
 class OfflineLLMClient:

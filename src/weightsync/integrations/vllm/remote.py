@@ -17,6 +17,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme, VLLMDoubleBufferWeightSender
 from weightsync.transports.directory.files import write_json_atomic
 from weightsync.transports.net.fetch import VersionFetcher
+from weightsync.transports.net.sharded import ShardedFetcher
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +60,20 @@ class HostReceiver:
         self.scheme = VLLMDoubleBufferSyncScheme(directory, num_workers=num_workers, timeout=timeout)
         self.sender: VLLMDoubleBufferWeightSender | None = None
         self.fetcher = VersionFetcher(name)
+        self.sharded = ShardedFetcher(name)
 
-    def stage(self, address: str, token: str, want: int | None, key: str, timeout: float) -> int:
-        """Fetch ``want`` (None: the trainer's current version), commit it locally and
-        return its local version; the outcome is in the status file under ``key`` either
-        way (an error is raised here too)."""
+    def stage(self, address: str | Sequence[str], token: str, want: int | None, key: str,
+              timeout: float) -> int:
+        """Fetch ``want`` (None: the trainer's current version) from the trainer, or from
+        every rank of a sharded trainer (``address``: theirs, rank by rank), commit it
+        locally and return its local version; the outcome is in the status file under
+        ``key`` either way (an error is raised here too)."""
         try:
-            packed = self.fetcher.fetch(address, token, want, timeout)
-            tensors = packed.tensors()
+            if isinstance(address, str):
+                packed = self.fetcher.fetch(address, token, want, timeout)
+                version, tensors = packed.version, packed.tensors()
+            else:
+                version, tensors = self.sharded.fetch(address, token, want, timeout)
             if self.sender is None:
                 self.sender = self.scheme.create_sender()
                 self.sender.register_model(tensors)
@@ -73,7 +81,7 @@ class HostReceiver:
         except Exception as exc:
             self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
             raise
-        self._status({"key": key, "local": local, "version": packed.version})
+        self._status({"key": key, "local": local, "version": version})
         return local
 
     def _status(self, status: dict[str, Any]) -> None:

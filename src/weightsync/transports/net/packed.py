@@ -50,6 +50,9 @@ class PackedVersion:
     entries: list[Entry]
     buffer: torch.Tensor
     checksums: list[int] = field(default_factory=list)
+    #: a sharded trainer rank's part: ``name -> [start, stop, ...]`` of the global tensor
+    #: each entry is (empty: every entry is a whole tensor)
+    regions: dict[str, list[int]] = field(default_factory=dict)
     _ready: int = -1  # chunks [0, _ready) are packed; -1: all of them
     _failed: str | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
@@ -118,7 +121,8 @@ class PackedVersion:
     def header(self, session: str) -> dict[str, Any]:
         return {"version": self.version, "session": session, "nbytes": self.nbytes,
                 "chunk_bytes": CHUNK_BYTES,
-                "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]}
+                "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
+                "regions": self.regions}
 
 
 def chunk_count(nbytes: int) -> int:
@@ -180,3 +184,25 @@ def parse_header(header: dict[str, Any], limit: int) -> tuple[int, str, list[Ent
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"a malformed version header ({type(exc).__name__}: {exc})") from None
     return version, session, entries, nbytes
+
+
+def parse_regions(header: dict[str, Any], entries: list[Entry]) -> dict[str, list[int]]:
+    """The ``regions`` of a version header (a sharded rank's part), each checked against its
+    entry (two bounds per dimension, ``stop - start`` its size): ``ProtocolError`` naming
+    the first bad one. Empty when the version holds whole tensors."""
+    raw = header.get("regions") or {}
+    if not isinstance(raw, dict):
+        raise ProtocolError("a version header whose regions are not an object")
+    shapes = {e.name: e.shape for e in entries}
+    regions: dict[str, list[int]] = {}
+    for name, bounds in raw.items():
+        shape = shapes.get(name)
+        if shape is None or not isinstance(bounds, list) or len(bounds) != 2 * len(shape) \
+                or not all(type(b) is int and b >= 0 for b in bounds) \
+                or any(bounds[2 * d + 1] - bounds[2 * d] != size for d, size in enumerate(shape)):
+            raise ProtocolError(f"the region of entry {name!r} ({bounds!r}) does not fit its "
+                                f"shape {shape}")
+        regions[name] = list(bounds)
+    if raw and len(regions) != len(entries):
+        raise ProtocolError("a sharded version names a region for some entries only")
+    return regions

@@ -77,6 +77,15 @@ class VersionPublisher:
         """Make ``packed`` the version hosts get (it may still be filling: streams wait for
         each chunk); the one before stays as a delta base."""
         with self._cond:
+            if self._current is not None and self._current.version == packed.version:
+                # the same number again (a sharded attempt that failed before any host took
+                # it): the base before it stays the delta base
+                replaced, self._current = self._current, packed
+                if replaced.buffer is not packed.buffer:
+                    self._retired = replaced
+                self._figures[packed.version] = []
+                self._cond.notify_all()
+                return
             retired = self._previous
             self._previous, self._current = self._current, packed
             if retired is not None and retired.buffer is not packed.buffer:

@@ -9,6 +9,8 @@ again (a restart). Records travel as ``rank.hello``/``rank.done`` (rank -> rank 
 ``rank.plan``/``rank.outcome`` (rank 0 -> every rank). Beside them, the data plane: rank 0
 hands each new slot to the ranks before sealing it (``rank.slot`` with its fd, answered
 ``rank.mapped``) and retires slots a new connection has not mapped (``rank.retire``).
+The network path's sharded ranks use the same hub and links, on this host or over TCP
+(:mod:`weightsync.transports.net.board`), without the slot messages.
 """
 
 from __future__ import annotations
@@ -66,21 +68,38 @@ class _Connection:
     hello: Hello | None = None
     gone: str = ""  # why it can no longer answer ('' while it may)
     mapped: set[tuple[int, int]] = field(default_factory=set)  # (slot index, request) answered
+    who: str = ""  # how messages name its process
 
     def alive(self) -> bool:
-        if not self.gone and process_dying(self.pid):
+        """Its connection is open and (judged where the pid is known) its process lives."""
+        if not self.gone and self.pid > 0 and process_dying(self.pid):
             self.gone = f"died (pid {self.pid})"
         return not self.gone
 
 
+def _peer_name(channel: Channel) -> str:
+    try:
+        name = channel.socket.getpeername()
+    except OSError:
+        return "?"
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "a local socket"
+
+
 class RankHub:
     """Rank 0's end (a :class:`~weightsync.transports.ranks.board.LeadBoard`): admits ranks
-    ``1..world-1``, reads each one's records on a thread of its own, and sends rank 0's."""
+    ``1..world-1``, reads each one's records on a thread of its own, and sends rank 0's.
 
-    def __init__(self, address: str, rank_key: str, uid: int, world: int) -> None:
+    By default it listens on a Unix socket beside the workers' address and admits only
+    processes of ``uid``; ``listener`` (anything with ``accept(timeout) -> Channel | None``
+    and ``close()``, e.g. a TCP one) with ``uid=None`` admits ranks on other hosts, by the
+    rank key's proof alone (a lost rank is then told by its connection, not its pid)."""
+
+    def __init__(self, address: str, rank_key: str, uid: int | None, world: int, *,
+                 listener: Any = None) -> None:
         self.world = world
         self._key, self._uid = rank_key, uid
-        self._listener = ChannelListener(rank_address(address))
+        self._listener = listener if listener is not None \
+            else ChannelListener(rank_address(address))
         self.cond = threading.Condition()
         self.connections: dict[int, _Connection] = {}
         self._dones: dict[str, dict[int, Done]] = {}
@@ -109,9 +128,12 @@ class RankHub:
     def _admit(self, channel: Channel) -> None:
         deadline = Deadline(HANDSHAKE_TIMEOUT)
         try:
-            peer = peer_credentials(channel.socket)
-            if peer.uid != self._uid:
-                raise HandshakeError(f"pid {peer.pid} runs as uid {peer.uid}, not {self._uid}")
+            pid, who = 0, "a process at " + _peer_name(channel)
+            if self._uid is not None:
+                peer = peer_credentials(channel.socket)
+                if peer.uid != self._uid:
+                    raise HandshakeError(f"pid {peer.pid} runs as uid {peer.uid}, not {self._uid}")
+                pid, who = peer.pid, f"pid {peer.pid}"
             nonce = new_nonce()
             channel.send({"t": "rank.challenge", "nonce": nonce}, timeout=deadline.remaining())
             hello = read_frame(channel.socket, deadline.remaining)
@@ -128,20 +150,20 @@ class RankHub:
                 old = self.connections.get(rank)
                 if old is not None and old.alive() and not old.channel.peer_closed():
                     channel.send({"t": "rank.refused", "proof": proof, "error": (
-                        f"trainer rank {rank} is already held by a live process (pid "
-                        f"{old.pid}); a rank index is claimed by one process at a time")},
+                        f"trainer rank {rank} is already held by a live process "
+                        f"({old.who}); a rank index is claimed by one process at a time")},
                         timeout=deadline.remaining())
-                    raise HandshakeError(f"rank {rank} is already held by pid {old.pid}; "
-                                         f"refused pid {peer.pid}")
+                    raise HandshakeError(f"rank {rank} is already held by {old.who}; "
+                                         f"refused {who}")
                 channel.send({"t": "rank.welcome", "joined_at": self.committed, "proof": proof},
                              timeout=deadline.remaining())
-                connection = _Connection(rank, channel, peer.pid, next(self._serials))
+                connection = _Connection(rank, channel, pid, next(self._serials), who=who)
                 if old is not None:
-                    old.gone = old.gone or f"restarted (pid {peer.pid} took its place)"
+                    old.gone = old.gone or f"restarted ({who} took its place)"
                     old.channel.close()
                 self.connections[rank] = connection
                 self.cond.notify_all()
-            logger.info("trainer rank %d joined (pid %d)", rank, peer.pid)
+            logger.info("trainer rank %d joined (%s)", rank, who)
         except (HandshakeError, ChannelClosed, ChannelTimeout, TimeoutError, OSError) as exc:
             logger.warning("refused a trainer-rank connection: %s", exc)
             channel.close()
@@ -283,10 +305,15 @@ class RankLink:
     :class:`~weightsync.transports.ranks.board.MemberBoard`): read only within its own
     calls; slot hand-outs are passed to ``on_slot``/``on_retire`` as they come."""
 
-    def __init__(self, address: str, rank_key: str, uid: int, rank: int,
+    def __init__(self, address: str, rank_key: str, uid: int | None, rank: int,
                  on_slot: Callable[[int, int, list[int]], None],
-                 on_retire: Callable[[int], None]) -> None:
-        self.address, self.key, self.uid, self.rank = rank_address(address), rank_key, uid, rank
+                 on_retire: Callable[[int], None], *,
+                 connect: Callable[[float | None], Channel] | None = None) -> None:
+        """``connect(timeout)``: how to reach rank 0's listener other than its Unix socket
+        (e.g. over TCP; with ``uid=None``: no peer credentials, the rank key's proof alone)."""
+        self.address = rank_address(address) if connect is None else address
+        self.key, self.uid, self.rank = rank_key, uid, rank
+        self._connect = connect
         self._on_slot, self._on_retire = on_slot, on_retire
         self.channel: Channel | None = None
         self.joined_at = NO_VERSION
@@ -296,15 +323,17 @@ class RankLink:
 
     def open(self, deadline: Deadline) -> None:
         try:
-            channel = connect_channel(self.address, deadline.remaining())
+            channel = connect_channel(self.address, deadline.remaining()) \
+                if self._connect is None else self._connect(deadline.remaining())
         except ChannelTimeout as exc:
             raise TrainerRankLostError(
                 f"trainer rank {self.rank}: trainer rank 0 is not listening after {deadline} "
                 "(has rank 0 created its sender and called connect()?)", rank=0) from exc
         try:
-            peer = peer_credentials(channel.socket)
-            if peer.uid != self.uid:
-                raise HandshakeError(f"rank 0's address is held by uid {peer.uid}")
+            if self.uid is not None:
+                peer = peer_credentials(channel.socket)
+                if peer.uid != self.uid:
+                    raise HandshakeError(f"rank 0's address is held by uid {peer.uid}")
             challenge = read_frame(channel.socket, deadline.remaining)
             nonce, hub_nonce = new_nonce(), str(challenge.get("nonce"))
             channel.send({"t": "rank.hello", "rank": self.rank, "nonce": nonce,

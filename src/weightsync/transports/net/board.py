@@ -1,0 +1,67 @@
+"""The rank board of a sharded trainer whose ranks run on several hosts: SharedMem's rank
+hub and links (:mod:`weightsync.transports.shm.ranks`, the rank protocol's board as socket
+messages) over TCP instead of a Unix socket. The ranks prove the rank key both ways, as on
+one host; without a shared kernel there are no peer credentials, so a rank is admitted by
+that proof alone, and a lost rank is told by its connection (a stalled one by the
+deadline)."""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import time
+
+from weightsync.core.deadline import Deadline
+from weightsync.transports.local.channel import Channel, ChannelTimeout
+from weightsync.transports.net.wire import split_address
+
+_RETRY = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
+
+
+def _tcp(sock: socket.socket) -> Channel:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Channel(sock)
+
+
+class TcpRankListener:
+    """Rank 0's listener for the other ranks at ``address`` (``HOST:PORT``)."""
+
+    def __init__(self, address: str) -> None:
+        host, port = split_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=64)
+        self.address = address
+
+    def accept(self, timeout: float | None = 0.0) -> Channel | None:
+        """A new connection within ``timeout``, or None; OSError once closed."""
+        try:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+        except ValueError as exc:  # closed meanwhile
+            raise OSError("the rank listener is closed") from exc
+        if not ready:
+            return None
+        conn, _ = self._sock.accept()
+        return _tcp(conn)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def connect_tcp(address: str, timeout: float | None) -> Channel:
+    """A channel to rank 0's listener at ``address``, retrying while it is not up yet;
+    ``ChannelTimeout`` after ``timeout``."""
+    host, port = split_address(address)
+    deadline = Deadline(timeout)
+    delay = 0.01
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline.slice(5.0), 0.05))
+            return _tcp(sock)
+        except OSError as exc:
+            if exc.errno not in _RETRY and not isinstance(exc, TimeoutError):
+                raise
+            if deadline.expired():
+                raise ChannelTimeout(f"no rank 0 listening at {address} after {deadline}") from exc
+            time.sleep(deadline.slice(delay))
+            delay = min(delay * 2, 0.2)
