@@ -4,9 +4,10 @@
 The rule (docs/sharded.md): a rank that never appears, dies or stalls is
 ``TrainerRankLostError(rank=r)`` on every other rank within its deadline, rank 0
 included; a failed version is not counted (the next committed version takes its number);
-one late rank costs at most the version it missed; a worker cannot act as a rank; a rank
-restarted during a send joins the next version; a second live claimant of a rank index is
-refused, saying so."""
+one late rank costs at most the version it missed; a worker cannot act as a rank, and a
+record forged on the board without the rank key is dropped; a rank restarted during a send
+(also while rank 0 is held inside it) joins the next version; a second live claimant of a
+rank index is refused, saying so."""
 
 from __future__ import annotations
 

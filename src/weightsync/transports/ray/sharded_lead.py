@@ -126,7 +126,6 @@ class RayLeadWriter(RayWriter):
     sharded = True
 
     def __init__(self, *, trainer_ranks: int, rank_key: str, **options: Any) -> None:
-        RecordSeal(rank_key)  # refused before any actor starts: the workers' copy has none
         super().__init__(trainer_ranks=trainer_ranks, rank_key=rank_key, **options)
         self.trainer_ranks = trainer_ranks
         self.joined_at = NO_VERSION
