@@ -72,3 +72,10 @@ def test_the_directory_board_drops_forged_records_and_logs_the_rank(tmp_path, ca
     (tmp_path / "pending.json").write_text(json.dumps(
         {"plan": other.seal(PLAN, plan.to_json()), "outcomes": []}))
     assert member.plans() == []
+
+
+def test_a_proof_already_on_a_record_is_replaced_when_sealed_again():
+    seal = RecordSeal(new_rank_key())
+    record = _done()
+    twice = seal.seal(DONE, seal.seal(DONE, record))
+    assert seal.opened(DONE, twice, "w") == record

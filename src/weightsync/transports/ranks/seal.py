@@ -46,8 +46,10 @@ class RecordSeal:
         self._key = rank_key.encode()
 
     def seal(self, kind: str, record: dict[str, Any]) -> dict[str, Any]:
-        """``record`` with its proof, as the board carries it."""
-        return {**record, MAC: self._mac(kind, record)}
+        """``record`` with its proof, as the board carries it (a proof it already had is
+        replaced)."""
+        body = {k: v for k, v in record.items() if k != MAC}
+        return {**body, MAC: self._mac(kind, body)}
 
     def opened(self, kind: str, obj: Any, where: str) -> dict[str, Any]:
         """The content of the sealed record ``obj``, or :class:`UnsealedRecordError` (``where``

@@ -42,7 +42,15 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ranks.lead import RankLead
 from weightsync.transports.ranks.liveness import hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
-from weightsync.transports.ranks.seal import DONE, HELLO, OUTCOME, PLAN, DropLog, RecordSeal
+from weightsync.transports.ranks.seal import (
+    DONE,
+    HELLO,
+    MAC,
+    OUTCOME,
+    PLAN,
+    DropLog,
+    RecordSeal,
+)
 from weightsync.transports.ray import shard_stream
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
 from weightsync.transports.ray.shard_stream import send_pieces
@@ -63,6 +71,9 @@ class RayLeadBoard:
         self.members, self.world = members, world
         self.seal = RecordSeal(rank_key)
         self._drops = DropLog(logger)
+        #: the hellos verified, by their proof (the board is read every few ms; a hello of
+        #: a large model takes milliseconds to verify)
+        self._verified: dict[str, Hello] = {}
         self.broken: dict[int, str] = {}
         self.watch: Callable[[], None] | None = None  # polls the relays while they take
 
@@ -73,15 +84,21 @@ class RayLeadBoard:
 
     def _all_hellos(self) -> dict[int, Hello]:
         out = {}
+        verified = {}
         for rank, raw in self.call("get_hellos").items():
             where = f"trainer rank {rank}'s hello"
-            try:
-                hello = Hello.from_json(self.seal.opened(HELLO, raw, where), where)
-            except IntegrityError as exc:
-                self._drops.dropped(int(rank), exc, raw)
-                continue
+            proof = raw.get(MAC) if isinstance(raw, dict) else None
+            hello = self._verified.get(proof) if isinstance(proof, str) else None
+            if hello is None:
+                try:
+                    hello = Hello.from_json(self.seal.opened(HELLO, raw, where), where)
+                except IntegrityError as exc:
+                    self._drops.dropped(int(rank), exc, raw)
+                    continue
+            verified[str(proof)] = hello
             if hello.rank == int(rank):
                 out[hello.rank] = hello
+        self._verified = verified
         return out
 
     def hellos(self) -> dict[int, Hello]:
