@@ -93,14 +93,12 @@ def main() -> int:
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="weightsync-example-fsdp-",
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    for_ranks: Scheme  # what the trainer ranks get (SharedMem: its pickle has the ranks' key)
-    for_workers: Scheme  # what the reader gets (SharedMem: without the ranks' key)
+    for_ranks: Scheme  # what the trainer ranks get (its pickle carries the ranks' key)
     if args.scheme == "shm":
         for_ranks = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
-        for_workers = for_ranks.for_workers()
     else:
-        for_ranks = for_workers = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1,
-                                                                trainer_ranks=2)
+        for_ranks = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=2)
+    for_workers = for_ranks.for_workers()  # what the reader gets: without the ranks' key
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

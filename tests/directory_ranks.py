@@ -98,14 +98,21 @@ def _install_fault(rank: int, fault: dict[str, Any]) -> None:
     sharded.after_part_written = hook
 
 
-def local_shard_rank(rank: int, world: int, directory: Path, steps: int,
-                     fault: dict[str, Any] | None = None, timeout: float = 30.0) -> dict[str, Any]:
-    """Send ``steps`` versions of :func:`local_model`; rank 0 checks a reader after each.
-    With ``fault``, a failed send is recorded and retried (the same step) until it works."""
+def sharded_scheme(directory: Path, world: int, timeout: float = 30.0,
+                   **options: Any) -> Any:
+    """The one scheme the test hands every rank (its pickle carries the ranks' key)."""
+    return ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
+                                         timeout=timeout, **options)
+
+
+def local_shard_rank(rank: int, world: int, scheme: Any, steps: int,
+                     fault: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Send ``steps`` versions of :func:`local_model` through ``scheme`` (the sharded scheme
+    of :func:`sharded_scheme`); rank 0 checks a reader after each. With ``fault``, a failed
+    send is recorded and retried (the same step) until it works."""
     _install_fault(rank, fault or {})
     fault = fault or {}
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
-                                           timeout=timeout)
+    directory, timeout = scheme.directory, scheme.timeout
     model = local_model(0, rank, world)
     report: dict[str, Any] = {"versions": [], "errors": []}
     reader = _reader(directory) if rank == 0 else None
@@ -139,20 +146,16 @@ def local_shard_rank(rank: int, world: int, directory: Path, steps: int,
     return report
 
 
-def wrong_layout_rank(rank: int, world: int, directory: Path, wrong: str) -> None:
+def wrong_layout_rank(rank: int, world: int, scheme: Any, wrong: str) -> None:
     """Rank 1 registers a model that disagrees with rank 0's (``wrong``: "shape"/"overlap")."""
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
-                                           timeout=20)
     with scheme.create_sender(rank=rank) as sender:
         sender.register_model(local_model(0, rank, world, wrong=wrong if rank == 1 else ""))
         sender.update_weights()
 
 
-def racing_rank(rank: int, world: int, directory: Path, steps: int) -> list[int]:
+def racing_rank(rank: int, world: int, scheme: Any, steps: int) -> list[int]:
     """Send ``steps`` versions of :func:`local_model` as fast as the others let it (no wait
     for readers): version n is the model of step n."""
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
-                                           timeout=60)
     model = local_model(0, rank, world)
     versions = []
     with scheme.create_sender(rank=rank) as sender:

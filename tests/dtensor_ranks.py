@@ -4,14 +4,11 @@ group) after each send and compares it with what a directory reader applied."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from sharded_ranks import init_gloo
 from torch import nn
-
-import weightsync as ws
 
 
 def mlp(hidden: int = 13) -> nn.Sequential:
@@ -33,10 +30,9 @@ def _compare(receiver: Any, local: nn.Module, full: dict[str, torch.Tensor], ver
                for n, t in full.items())
 
 
-def _run(rank: int, world: int, directory: Path, model: nn.Module, reader_model: nn.Module,
-         steps: int, step_fn: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
-                                           dtype=dtype, timeout=60)
+def _run(rank: int, world: int, scheme: Any, model: nn.Module, reader_model: nn.Module,
+         steps: int, step_fn: Any) -> dict[str, Any]:
+    """``steps`` versions through ``scheme`` (the one sharded scheme every rank is handed)."""
     receiver = None
     if rank == 0:
         receiver = scheme.create_receiver(0)
@@ -81,14 +77,14 @@ def fsdp_mlp(rank: int, world: int) -> tuple[nn.Module, Any]:
     return model, train
 
 
-def fsdp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> dict[str, Any]:
+def fsdp_rank(rank: int, world: int, scheme: Any, port: int, steps: int) -> dict[str, Any]:
     """FSDP2 (``fully_shard`` per layer and at the root) trained with SGD on CPU/gloo."""
     import torch.distributed as dist
 
     init_gloo(rank, world, port)
     try:
         model, train = fsdp_mlp(rank, world)
-        return _run(rank, world, directory, model, mlp(), steps, train)
+        return _run(rank, world, scheme, model, mlp(), steps, train)
     finally:
         dist.destroy_process_group()
 
@@ -116,8 +112,8 @@ def tp_parallel(world: int) -> nn.Module:
     return model
 
 
-def tp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> dict[str, Any]:
-    """Tensor parallel (:func:`tp_parallel`), sent cast to bfloat16."""
+def tp_rank(rank: int, world: int, scheme: Any, port: int, steps: int) -> dict[str, Any]:
+    """Tensor parallel (:func:`tp_parallel`), sent cast to bfloat16 (``scheme``'s dtype)."""
     import torch.distributed as dist
 
     init_gloo(rank, world, port)
@@ -129,13 +125,12 @@ def tp_rank(rank: int, world: int, directory: Path, port: int, steps: int) -> di
             for param in model.parameters():
                 param.mul_(0.9).add_(0.01 * step)
 
-        return _run(rank, world, directory, model, tp_model().to(torch.bfloat16), steps, update,
-                    dtype=torch.bfloat16)
+        return _run(rank, world, scheme, model, tp_model().to(torch.bfloat16), steps, update)
     finally:
         dist.destroy_process_group()
 
 
-def fsdp_llama_rank(rank: int, world: int, directory: Path, port: int,
+def fsdp_llama_rank(rank: int, world: int, scheme: Any, port: int,
                     steps: int) -> dict[str, Any] | None:
     """A tiny Llama (``vllm_model``) sharded with FSDP2 per decoder layer; version ``s`` holds
     ``vllm_model.perturb`` steps 1..s applied to the seed model. Rank 0 returns the gathered
@@ -154,8 +149,6 @@ def fsdp_llama_rank(rank: int, world: int, directory: Path, port: int,
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, trainer_ranks=world,
-                                               timeout=60)
         with scheme.create_sender(rank=rank) as sender:
             sender.register_model(model)
             for step in range(steps):

@@ -3,7 +3,8 @@ of one model, each a real spawned process driven by commands, on any transport t
 ``trainer_ranks``; the test process holds one worker.
 
 A transport is a :class:`Transport` (picklable): the scheme the ranks get, the scheme a
-worker gets (what a worker could use to pose as a rank), and a worker's receiver. Every
+worker gets (what a worker could use to pose as a rank), a worker's receiver, and (where
+the ranks' records lie on a board anyone inside the medium can write) a :class:`Forger`. Every
 rank reports each command's outcome on its own queue: ``("ok", rank, version, seconds)``
 or ``("error", rank, type, message, error_rank, seconds)``.
 """
@@ -11,7 +12,9 @@ or ``("error", rank, type, message, error_rank, seconds)``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -71,8 +74,15 @@ class Transport:
         raise NotImplementedError
 
     def posing_scheme(self) -> Any:
-        """The best a worker can make of what it holds to pose as trainer rank 1."""
-        return self.worker_scheme()
+        """The best a worker can make of what it holds to pose as trainer rank 1: the
+        workers' copy (its token, address, directory, rendezvous name) with a rank key
+        made up by itself."""
+        return made_up_key(self.worker_scheme())
+
+    def forger(self) -> Forger | None:
+        """Who posts records on the ranks' board without the key (None: the medium takes
+        no record from a process that has not proved the key, as SharedMem's handshake)."""
+        return None
 
     def receiver(self) -> Any:
         raise NotImplementedError
@@ -83,6 +93,83 @@ class Transport:
 
     def close(self) -> None:
         """Remove what the transport left behind."""
+
+
+def made_up_key(scheme: Any) -> Any:
+    """``scheme`` as a worker receives it (pickled), with a rank key of its own making."""
+    from dataclasses import replace
+
+    from weightsync.schemes.ranks import new_rank_key  # imported here: the harness also
+    # runs against older code, to show which faults its tests catch there
+
+    out = pickle.loads(pickle.dumps(scheme))
+    out.config = replace(out.config, rank_key=new_rank_key())
+    return out
+
+
+#: the proof a forger puts on its records (it has no key)
+FORGED_MAC = "00" * 32
+
+
+def forged_hello(rank: int) -> dict[str, Any]:
+    """A hello for ``rank`` from this (live) process, without the rank key's proof."""
+    from weightsync.transports.ranks.liveness import process_detail
+    from weightsync.transports.ranks.records import Hello, new_id
+
+    return Hello(rank, new_id(), {}, "forged", {}, process_detail()).to_json() \
+        | {"mac": FORGED_MAC}
+
+
+def forged_done(rank: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """A done answering ``plan`` for ``rank`` (its incarnation, its attempt), without the
+    rank key's proof."""
+    return {"rank": rank, "incarnation": plan["incarnations"][str(rank)],
+            "attempt": plan["attempt"], "detail": {"checksums": [], "error": None},
+            "mac": FORGED_MAC}
+
+
+class Forger:
+    """Posts records on the ranks' board as a process without the rank key can."""
+
+    def hello(self, rank: int) -> None:
+        """Claim ``rank`` with a hello of this process's."""
+        raise NotImplementedError
+
+    def done(self, rank: int, timeout: float) -> str:
+        """Wait for rank 0's next plan naming ``rank`` and answer it for ``rank``; returns
+        its attempt."""
+        raise NotImplementedError
+
+
+class DirectoryForger(Forger):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _open_plan(self, rank: int) -> dict[str, Any] | None:
+        """Rank 0's plan naming ``rank`` that has no outcome yet."""
+        with contextlib.suppress(OSError, ValueError):
+            pending = json.loads((self.path / "pending.json").read_text())
+            plan, decided = pending.get("plan"), {o.get("attempt") for o in pending["outcomes"]}
+            if isinstance(plan, dict) and plan["attempt"] not in decided \
+                    and str(rank) in plan["incarnations"]:
+                return plan
+        return None
+
+    def _write(self, name: str, record: dict[str, Any]) -> None:
+        tmp = self.path / f".forged-{name}"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path / name)
+
+    def hello(self, rank: int) -> None:
+        self._write(f"hello-{rank}.json", forged_hello(rank))
+
+    def done(self, rank: int, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (plan := self._open_plan(rank)) is None:
+            assert time.monotonic() < deadline, "rank 0 posted no plan to forge a done for"
+            time.sleep(0.01)
+        self._write(f"rank-{rank}.json", forged_done(rank, plan))
+        return str(plan["attempt"])
 
 
 class SharedMem(Transport):
@@ -116,11 +203,13 @@ class Directory(Transport):
         return self.scheme if for_ranks is None else for_ranks()
 
     def worker_scheme(self) -> Any:
-        return ws.VLLMDoubleBufferSyncScheme(self.path, num_workers=1)
+        for_workers = getattr(self.scheme, "for_workers", None)  # absent before the rank key
+        return self.scheme if for_workers is None else for_workers()
 
-    def posing_scheme(self) -> Any:
-        """A reader holds the directory's path: it can name trainer_ranks=2 itself."""
-        return ws.VLLMDoubleBufferSyncScheme(self.path, num_workers=1, trainer_ranks=2)
+    def forger(self) -> Forger:
+        """A reader of the directory: it may write the directory's files (its boundary is
+        the directory's permissions), but not prove the rank key."""
+        return DirectoryForger(self.path)
 
     def receiver(self) -> Any:
         return self.worker_scheme().create_receiver(0)
@@ -129,12 +218,31 @@ class Directory(Transport):
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def hold_rank_0(path: str) -> None:
+    """Hold rank 0 inside its send of each version >= 1 (once its plan is posted, before it
+    waits for the other ranks) until ``<path>.go`` exists; ``<path>.held`` says it is held."""
+    from weightsync.transports.ranks import lead
+
+    def hold(plan: Any) -> None:
+        if plan.version < 1:
+            return
+        Path(path + ".held").write_text(str(plan.version))
+        deadline = time.monotonic() + IDLE_S
+        while not os.path.exists(path + ".go") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    lead.while_ranks_write = hold
+
+
 def rank_main(rank: int, world: int, scheme: Any, out: Any, commands: Any,
-              rows: int = ROWS, first_value: float = 0.0) -> None:
+              rows: int = ROWS, first_value: float = 0.0, hold: str | None = None) -> None:
     """A rank that takes commands: ("connect", timeout[, value]), ("send", timeout[, value]),
     ("close",). Each version is filled with its number (the n-th send is version n; a
-    restarted rank is told the value of the version it joins): a mix shows."""
+    restarted rank is told the value of the version it joins): a mix shows. ``hold``: see
+    :func:`hold_rank_0`."""
     try:
+        if hold is not None:
+            hold_rank_0(hold)
         sender = scheme.create_sender(rank=rank)
         model = weights(rank, world, first_value, rows)
         sender.register_model(model)
@@ -175,14 +283,14 @@ class Ranks:
         self.commands: dict[Any, Any] = {}
 
     def start(self, rank: int, key: Any = None, scheme: Any = None, rows: int = ROWS,
-              first_value: float = 0.0) -> tuple[Any, ...]:
+              first_value: float = 0.0, hold: str | None = None) -> tuple[Any, ...]:
         """Start rank ``rank``'s process; returns its first word ("ready", or "crash" if it
         could not even create its sender)."""
         key = rank if key is None else key
         self.outs[key], self.commands[key] = self.ctx.Queue(), self.ctx.Queue()
         self.procs[key] = self.ctx.Process(target=rank_main, daemon=True, args=(
             rank, self.world, self.transport.rank_scheme() if scheme is None else scheme,
-            self.outs[key], self.commands[key], rows, first_value))
+            self.outs[key], self.commands[key], rows, first_value, hold))
         self.procs[key].start()
         return self.next(key, 60)
 

@@ -11,10 +11,19 @@ from typing import Any
 
 import ray
 import torch
-from rank_conformance import Model, Transport, uniform
+from rank_conformance import (
+    Forger,
+    Model,
+    Transport,
+    forged_done,
+    forged_hello,
+    made_up_key,
+    uniform,
+)
 
 import weightsync as ws
 from weightsync.integrations.ray import RayWeightReceiverMixin
+from weightsync.schemes.ray import SHARDED_NAMESPACE
 
 #: the Ray namespace the test's actors are named in (the scheme's rendezvous has its own)
 NAMESPACE = "weightsync-tests"
@@ -70,6 +79,34 @@ class RayWorker:
             ray.kill(self.actor)
 
 
+class RayForger(Forger):
+    """A process that can make Ray calls (an actor) posting on rank 0's rendezvous actor
+    without the rank key."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _board(self) -> Any:
+        return ray.get_actor(self.name, namespace=SHARDED_NAMESPACE)
+
+    def hello(self, rank: int) -> None:
+        ray.get(self._board().post_hello.remote(rank, forged_hello(rank)), timeout=30)
+
+    def done(self, rank: int, timeout: float) -> str:
+        board, deadline = self._board(), time.monotonic() + timeout
+        while True:
+            snapshot = ray.get(board.board.remote(), timeout=30)
+            plan = snapshot["plan"]
+            if plan is not None and snapshot["outcome"] is None \
+                    and str(rank) in plan["incarnations"]:
+                break
+            assert time.monotonic() < deadline, "rank 0 posted no plan to forge a done for"
+            time.sleep(0.01)
+        ray.get(board.post_done.remote(rank, plan["attempt"], forged_done(rank, plan)),
+                timeout=30)
+        return str(plan["attempt"])
+
+
 class Ray(Transport):
     name = "ray"
 
@@ -82,11 +119,15 @@ class Ray(Transport):
         return RankSide(self.scheme, self.address, self.actor)
 
     def worker_scheme(self) -> Any:
-        return self.scheme
+        for_workers = getattr(self.scheme, "for_workers", None)  # absent before the rank key
+        return self.scheme if for_workers is None else for_workers()  # what actors are handed
 
     def posing_scheme(self) -> Any:
-        """An actor holds the scheme (Ray calls are inside the boundary)."""
-        return RankSide(self.scheme, self.address, self.actor)
+        """An actor's copy with a rank key of its own, joining as a rank would."""
+        return RankSide(made_up_key(self.worker_scheme()), self.address, self.actor)
+
+    def forger(self) -> Forger:
+        return RayForger(self.scheme.connection_info_name)
 
     def worker(self) -> RayWorker:
-        return RayWorker(self.actor, self.scheme)
+        return RayWorker(self.actor, self.worker_scheme())

@@ -4,13 +4,15 @@
 The rule (docs/sharded.md): a rank that never appears, dies or stalls is
 ``TrainerRankLostError(rank=r)`` on every other rank within its deadline, rank 0
 included; a failed version is not counted (the next committed version takes its number);
-one late rank costs at most the version it missed; a worker cannot act as a rank; a rank
-restarted during a send joins the next version; a second live claimant of a rank index is
-refused, saying so."""
+one late rank costs at most the version it missed; a worker cannot act as a rank, and a
+record forged on the board without the rank key is dropped; a rank restarted during a send
+(also while rank 0 is held inside it) joins the next version; a second live claimant of a
+rank index is refused, saying so."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -151,24 +153,88 @@ def test_a_late_rank_costs_at_most_the_version_it_missed(ranks, worker):
 
 
 def test_a_worker_cannot_act_as_a_rank(transport, ranks, worker):
-    """A process holding what a worker holds calls create_sender(rank=1): it is refused,
-    writes nothing the workers see, and the real ranks commit the next version.
-
-    SharedMem: the worker lacks the rank key. The directory and Ray: their boundary is the
-    directory's permissions and the Ray cluster (docs/security.md), so a worker is refused
-    only as a second live claimant of rank 1."""
+    """The workers' copy of the scheme holds no rank key: create_sender(rank=1) on it is
+    refused, saying so. A worker that makes up a key of its own (with everything else it
+    holds: token, address, directory, rendezvous name) and joins as rank 1 proves nothing
+    to rank 0: it is refused or never counted, and the real ranks commit the next version
+    with their own rows (the worker holds it whole: no 666 in it)."""
+    as_worker = pickle.loads(pickle.dumps(transport.worker_scheme()))  # as a worker gets it
+    with pytest.raises(ValueError, match=r"workers' copy.*for_workers\(\)"):
+        as_worker.create_sender(rank=1)
     connect_both(ranks, worker)
-    first = ranks.start(1, key="worker", scheme=transport.posing_scheme())
-    if first[0] == "ready":  # refused at its first connect or send, then
-        ranks.tell("worker", "connect", 4, 666.0)
-        got = ranks.next("worker")
-        assert got[0] == "error", got
-        if transport.name != "shared_mem":
-            assert "already held" in got[3], got
-    else:
-        assert first[0] in ("crash", "error"), first
+    assert ranks.start(1, key="poser", scheme=transport.posing_scheme(),
+                       first_value=666.0)[0] == "ready"
+    ranks.tell("poser", "connect", 4, 666.0)
+    got = ranks.next("poser")
+    assert got[0] == "error", got
     send_both(ranks, 1)
     worker.holds(1)
+
+
+def test_a_forged_hello_or_done_is_dropped(transport, ranks, worker):
+    """Where the ranks' records lie on a board anyone inside the medium may write (the
+    directory's files, the Ray rendezvous actor), a process without the rank key posts a
+    hello claiming rank 1 (as a live process) before the real rank 1 joins, and a done
+    answering rank 0's plan for rank 1 before rank 1 writes: both are dropped, rank 0
+    waits for the real rank 1, and the version commits with the real rows.
+
+    On a board without the seal, the forged hello made the real rank 1 a second live
+    claimant (refused), and the forged done let rank 0 commit without rank 1's rows."""
+    forger = transport.forger()
+    if forger is None:
+        pytest.skip(f"{transport.name}: a rank proves the key in its connection's handshake; "
+                    "there is no board to post on without it")
+    assert ranks.start(0)[0] == "ready"
+    forger.hello(1)
+    assert ranks.start(1)[0] == "ready"
+    for r in (0, 1):
+        ranks.tell(r, "connect", 60)
+    for r in (0, 1):
+        ok(ranks, r, 0)
+    worker.holds(0)
+    ranks.tell(0, "send", 60)
+    forger.done(1, timeout=30)
+    time.sleep(1.0)  # rank 0 polls the board every few ms: it would have taken the done
+    assert ranks.outs[0].empty(), ranks.next(0)
+    ranks.tell(1, "send", 60)
+    ok(ranks, 0, 1)
+    ok(ranks, 1, 1)
+    worker.holds(1)
+
+
+def test_a_rank_restarted_while_rank_0_is_inside_its_send_joins_the_next_version(
+        ranks, worker, tmp_path):
+    """The race of a restart during a send, made deterministic: rank 0 is held inside its
+    send of version 1 (its plan posted for the old rank 1, before it waits for the others);
+    the old rank 1 is killed and a new rank-1 process connects then; rank 0 is released.
+    Neither crashes: rank 0 names rank 1 (restarted) for that version, and the new rank 1
+    joins the next attempt, which commits version 1 (versions stay dense)."""
+    hold = str(tmp_path / "hold")
+    assert ranks.start(0, hold=hold)[0] == "ready"
+    assert ranks.start(1)[0] == "ready"
+    for r in (0, 1):
+        ranks.tell(r, "connect", 60)
+    for r in (0, 1):
+        ok(ranks, r, 0)
+    worker.holds(0)
+    ranks.tell(0, "send", 60)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(hold + ".held"):
+        assert time.monotonic() < deadline, "rank 0 never reached its wait for the ranks"
+        time.sleep(0.01)
+    ranks.kill(1)
+    assert ranks.start(1)[0] == "ready"
+    ranks.tell(1, "connect", 60, 1.0)
+    time.sleep(1.5)  # the new rank 1 connects and announces itself while rank 0 is held
+    assert ranks.outs[1].empty(), ranks.next(1)
+    open(hold + ".go", "w").close()
+    lost(ranks, 0, 1, within=60)
+    ranks.tell(0, "send", 60)
+    ok(ranks, 0, 1)
+    ok(ranks, 1, 1)
+    worker.holds(1)
+    send_both(ranks, 2)
+    worker.holds(2)
 
 
 def test_a_rank_restarted_during_a_send_joins_the_next_version(ranks, worker):

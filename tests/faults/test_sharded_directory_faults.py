@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from directory_ranks import local_shard_rank
+from directory_ranks import local_shard_rank, sharded_scheme
 from sharded_ranks import RankGroup
 
 from weightsync.transports.directory.files import read_json_object
 from weightsync.transports.directory.ranks import PENDING, Pending
+from weightsync.transports.ranks.seal import RecordSeal
 
 
 @pytest.fixture
@@ -34,23 +35,25 @@ def _wait(predicate, timeout, what):
         time.sleep(0.02)
 
 
-def _failed(directory):
+def _failed(scheme):
     """Rank 0 gave up on an attempt: ``pending.json`` keeps the failed outcome (also once
     rank 0 retried)."""
-    obj = read_json_object(directory / PENDING)
+    path, seal = scheme.directory / PENDING, RecordSeal(scheme.config.rank_key)
+    obj = read_json_object(path)
     return obj is not None and any(not o.committed for o in
-                                   Pending.from_json(obj, str(directory / PENDING)).outcomes)
+                                   Pending.from_json(obj, str(path), seal).outcomes)
 
 
 def test_killed_rank_fails_the_version_and_a_restarted_rank_joins(directory):
     fault = {"rank": 2, "version": 1, "how": "kill", "send_timeout": 30}
     group = RankGroup()
+    scheme = sharded_scheme(directory, 3)
     try:
         for rank in range(3):
-            group.start(local_shard_rank, rank, 3, directory, 3, fault)
+            group.start(local_shard_rank, rank, 3, scheme, 3, fault)
         _wait(lambda: not group.processes[2].is_alive(), 60, "rank 2 to kill itself")
         assert group.processes[2].exitcode == -signal.SIGKILL
-        group.start(local_shard_rank, 2, 3, directory, 3)  # restarted, no fault this time
+        group.start(local_shard_rank, 2, 3, scheme, 3)  # restarted, no fault this time
         outcomes = group.collect(90)
     finally:
         group.kill_all()
@@ -67,10 +70,11 @@ def test_killed_rank_fails_the_version_and_a_restarted_rank_joins(directory):
 def test_stopped_rank_fails_the_version_within_the_deadline(directory):
     fault = {"rank": 1, "version": 1, "how": "stop", "send_timeout": 3}
     group = RankGroup()
+    scheme = sharded_scheme(directory, 2)
     try:
         for rank in range(2):
-            group.start(local_shard_rank, rank, 2, directory, 3, fault)
-        _wait(lambda: _failed(directory), 60, "rank 0 to give up on the stopped rank")
+            group.start(local_shard_rank, rank, 2, scheme, 3, fault)
+        _wait(lambda: _failed(scheme), 60, "rank 0 to give up on the stopped rank")
         os.kill(group.processes[1].pid, signal.SIGCONT)
         outcomes = group.collect(90)
     finally:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_model as vm
+from directory_ranks import sharded_scheme
 from dtensor_ranks import fsdp_llama_rank
 from sharded_ranks import free_port, run_ranks
 
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 def test_fsdp2_trainer_feeds_a_vllm_engine(served, directory: Path):
     llm = served.llm
-    outcomes = run_ranks(fsdp_llama_rank, 2, 300, directory, free_port(), 3)
+    scheme = sharded_scheme(directory, 2, 60)  # handed to both ranks: one rank key
+    outcomes = run_ranks(fsdp_llama_rank, 2, 300, scheme, free_port(), 3)
     assert all(o.ok for o in outcomes), [(o.rank, o.error, o.traceback[-1500:]) for o in outcomes]
     gathered = outcomes[0].value
     expected = vm.build_model()

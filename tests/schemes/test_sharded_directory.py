@@ -10,7 +10,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from directory_ranks import hammering_reader, local_shard_rank, racing_rank, wrong_layout_rank
+import torch
+from directory_ranks import (
+    hammering_reader,
+    local_shard_rank,
+    racing_rank,
+    sharded_scheme,
+    wrong_layout_rank,
+)
 from dtensor_ranks import fsdp_rank, tp_rank
 from sharded_ranks import RankGroup, free_port, run_ranks
 
@@ -47,19 +54,22 @@ def test_create_sender_checks_the_rank(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_local_shards_uneven_rows_and_columns(directory, world):
-    reports = _all_ok(run_ranks(local_shard_rank, world, 90, directory, 3))
+    reports = _all_ok(run_ranks(local_shard_rank, world, 90,
+                                       sharded_scheme(directory, world), 3))
     assert all(r["versions"] == [0, 1, 2] for r in reports)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_trainer_reader_equals_gathered_model(directory, world):
-    reports = _all_ok(run_ranks(fsdp_rank, world, 150, directory, free_port(), 3))
+    reports = _all_ok(run_ranks(fsdp_rank, world, 150,
+                                       sharded_scheme(directory, world, 60), free_port(), 3))
     assert all(r["versions"] == [0, 1, 2] for r in reports)
     assert reports[0]["diffs"] == [0.0, 0.0, 0.0]
 
 
 def test_tensor_parallel_shard1_and_replicated_norm_cast_to_bf16(directory):
-    reports = _all_ok(run_ranks(tp_rank, 2, 150, directory, free_port(), 3))
+    reports = _all_ok(run_ranks(
+        tp_rank, 2, 150, sharded_scheme(directory, 2, 60, dtype=torch.bfloat16), free_port(), 3))
     assert reports[0]["diffs"] == [0.0, 0.0, 0.0]
 
 
@@ -68,7 +78,7 @@ def test_tensor_parallel_shard1_and_replicated_norm_cast_to_bf16(directory):
     ("overlap", r"key 'w': trainer ranks 0 and 1 both write"),
 ])
 def test_layout_disagreement_is_refused_before_any_byte(directory, wrong, match):
-    outcomes = run_ranks(wrong_layout_rank, 2, 60, directory, wrong)
+    outcomes = run_ranks(wrong_layout_rank, 2, 60, sharded_scheme(directory, 2, 20), wrong)
     assert [o.error_type for o in outcomes] == ["SchemaMismatchError"] * 2, outcomes
     import re
     assert all(re.search(match, o.error) for o in outcomes), [o.error for o in outcomes]
@@ -80,9 +90,10 @@ def test_tear_free_while_ranks_send_as_fast_as_they_can(directory):
     process applies what it can, and every version it holds is exactly that step's model."""
     steps, world = 30, 2
     group = RankGroup()
+    scheme = sharded_scheme(directory, world, 60)
     try:
         for rank in range(world):
-            group.start(racing_rank, rank, world, directory, steps)
+            group.start(racing_rank, rank, world, scheme, steps)
         reader = RankGroup()
         try:
             reader.start(hammering_reader, 0, 1, directory, steps - 1)

@@ -150,7 +150,7 @@ def run_sharded_bench(size: str, nbytes: int, repeats: int,
                                rank_out[r]))
              for r in range(world)]
     procs += [ctx.Process(target=_worker, daemon=True,
-                          args=(w, layers, sharded, single, repeats, worker_out[w]))
+                          args=(w, layers, sharded.for_workers(), single, repeats, worker_out[w]))
               for w in range(workers)]
     for p in procs:
         p.start()

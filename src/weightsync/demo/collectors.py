@@ -139,7 +139,8 @@ def process_collectors(transport: str, workers: int, seed: int) -> Collectors:
         scheme = scheme_class(transport)(num_workers=workers, timeout=60)
     ctx = mp.get_context("spawn")
     out, stop_event = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_process_collector, args=(scheme, i, out, stop_event, seed),
+    procs = [ctx.Process(target=_process_collector,
+                         args=(scheme.for_workers(), i, out, stop_event, seed),
                          daemon=True, name=f"weightsync-demo-collector-{i}")
              for i in range(workers)]
 
@@ -255,7 +256,7 @@ def ray_collectors(workers: int, seed: int) -> Collectors:
     scheme = RayWeightSyncScheme(num_workers=workers, timeout=60)
     out = Queue()
     collector_cls = _ray_collector_class()
-    actors = [collector_cls.remote(scheme, i, out, seed) for i in range(workers)]
+    actors = [collector_cls.remote(scheme.for_workers(), i, out, seed) for i in range(workers)]
     runs: list[Any] = []
 
     def next_episode(timeout: float) -> dict[str, Any]:

@@ -8,6 +8,7 @@ or reader (``core/endpoints.py``).
 from __future__ import annotations
 
 import abc
+from typing import TypeVar
 
 from weightsync.core.deadline import required_timeout
 from weightsync.core.strategy import WeightStrategy
@@ -15,6 +16,8 @@ from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 
 DEFAULT_TIMEOUT = 60.0
+
+S = TypeVar("S", bound="WeightSyncScheme")
 
 
 class WeightSyncScheme(abc.ABC):
@@ -33,6 +36,11 @@ class WeightSyncScheme(abc.ABC):
         :data:`DEFAULT_TIMEOUT` when it is 0 (then calls do not wait for a version, but a
         transfer that started is not cut short)."""
         return self.timeout or DEFAULT_TIMEOUT
+
+    def for_workers(self: S) -> S:
+        """What to hand workers: this scheme. A sharded scheme (``trainer_ranks > 1``)
+        returns a copy whose pickle leaves its trainer ranks' key out (docs/security.md)."""
+        return self
 
     @abc.abstractmethod
     def create_sender(self) -> WeightSender:

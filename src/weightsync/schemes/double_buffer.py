@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,15 @@ from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
 from weightsync.schemes.lora import LoraAdapter, check_adapter_name
-from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
+from weightsync.schemes.ranks import (
+    checked_rank_key,
+    checked_trainer_ranks,
+    for_trainer_ranks,
+    for_workers,
+    new_rank_key,
+    pickled_state,
+    trainer_rank,
+)
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_mode
@@ -50,6 +58,8 @@ class DirectoryConfig:
     mode: int
     trainer_ranks: int = 1
     adapter: str | None = None
+    #: what the ranks' records prove (never pickled to workers: ``schemes/ranks.py``)
+    rank_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
@@ -105,8 +115,10 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
         # absolute: the scheme is pickled to workers whose working directory may differ
-        self.config = DirectoryConfig(Path(directory).absolute(), num_workers, dtype, bool(durable),
-                                      poll_interval, mode, trainer_ranks, adapter)
+        self.config = DirectoryConfig(
+            Path(directory).absolute(), num_workers, dtype, bool(durable), poll_interval, mode,
+            trainer_ranks, adapter,
+            rank_key=new_rank_key() if checked_trainer_ranks(trainer_ranks) > 1 else "")
 
     directory = property(lambda self: self.config.directory)
     num_workers = property(lambda self: self.config.num_workers)
@@ -117,9 +129,24 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
     adapter = property(lambda self: self.config.adapter)
 
+    def for_trainer_ranks(self) -> VLLMDoubleBufferSyncScheme:
+        """What to hand the trainer ranks: this scheme, with the rank key in its pickle (the
+        scheme's own pickle carries it too; this refuses the workers' copy, which has none)."""
+        return for_trainer_ranks(self)
+
+    def for_workers(self) -> VLLMDoubleBufferSyncScheme:
+        """What to hand workers of a sharded trainer: a copy whose pickle leaves the rank key
+        out, so that no worker can act as a trainer rank (docs/security.md)."""
+        return for_workers(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pickled_state(self)
+
     def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
         """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an
-        unsharded trainer, else this process's torch.distributed rank)."""
+        unsharded trainer, else this process's torch.distributed rank). A sharded trainer's
+        ranks need the rank key: every rank is handed this scheme (pickled), not a scheme
+        made again in each process, and not the copy :meth:`for_workers` makes."""
         return VLLMDoubleBufferWeightSender(self, rank)
 
     def create_receiver(self, worker_idx: int = 0) -> VLLMDoubleBufferWeightReceiver:
@@ -138,12 +165,15 @@ class VLLMDoubleBufferWeightSender(WeightSender):
                                      mode=c.mode, poll_interval=c.poll_interval)
         elif rank == 0:
             writer = DirectoryLeadWriter(c.directory, c.num_workers, ranks=c.trainer_ranks,
+                                         rank_key=checked_rank_key(c.rank_key, scheme),
                                          dtype=c.dtype, durable=c.durable, mode=c.mode,
                                          poll_interval=c.poll_interval)
         else:
             writer = ShardedMemberWriter(c.directory, c.num_workers, rank=rank,
-                                         ranks=c.trainer_ranks, dtype=c.dtype, durable=c.durable,
-                                         mode=c.mode, poll_interval=c.poll_interval)
+                                         ranks=c.trainer_ranks,
+                                         rank_key=checked_rank_key(c.rank_key, scheme),
+                                         dtype=c.dtype, durable=c.durable, mode=c.mode,
+                                         poll_interval=c.poll_interval)
         super().__init__(scheme, writer, c.num_workers, resumed_version=writer.published)
         self.scheme: VLLMDoubleBufferSyncScheme = scheme
         self.directory = c.directory

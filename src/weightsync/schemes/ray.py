@@ -30,7 +30,15 @@ from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
-from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
+from weightsync.schemes.ranks import (
+    checked_rank_key,
+    checked_trainer_ranks,
+    for_trainer_ranks,
+    for_workers,
+    new_rank_key,
+    pickled_state,
+    trainer_rank,
+)
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.ray.group import current_node_id
@@ -69,6 +77,9 @@ class RayConfig:
     delta: bool = False
     #: how many processes of a sharded trainer send each version (``sharded_lead.py``)
     trainer_ranks: int = 1
+    #: what the ranks' records on the rendezvous actor prove (never the secret, which the
+    #: actors hold; not pickled to workers: ``schemes/ranks.py``)
+    rank_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
@@ -159,7 +170,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
         named = {} if connection_info_name is None else {
             "connection_info_name": connection_info_name}
         self.config = RayConfig(num_workers, backend, node_local, checksums, **named,
-                                dtype=dtype, delta=delta, trainer_ranks=trainer_ranks)
+                                dtype=dtype, delta=delta, trainer_ranks=trainer_ranks,
+                                rank_key=new_rank_key()
+                                if checked_trainer_ranks(trainer_ranks) > 1 else "")
 
     num_workers = property(lambda self: self.config.num_workers)
     backend = property(lambda self: self.config.backend)
@@ -170,6 +183,19 @@ class RayWeightSyncScheme(WeightSyncScheme):
     dtype = property(lambda self: self.config.dtype)
     delta = property(lambda self: self.config.delta)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
+
+    def for_trainer_ranks(self) -> RayWeightSyncScheme:
+        """What to hand the trainer ranks: this scheme, with the rank key in its pickle (the
+        scheme's own pickle carries it too; this refuses the workers' copy, which has none)."""
+        return for_trainer_ranks(self)
+
+    def for_workers(self) -> RayWeightSyncScheme:
+        """What to hand the actors of a sharded trainer: a copy whose pickle leaves the rank
+        key out, so that no actor can act as a trainer rank (docs/security.md)."""
+        return for_workers(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pickled_state(self)
 
     def create_sender(
         self, workers: Sequence[Any] | Mapping[int, Any] | None = None, *,
@@ -186,6 +212,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             c = self.config
             assert c.namespace is not None
             writer = RankRayWriter(rank=rank, secret=c.secret,
+                                   rank_key=checked_rank_key(c.rank_key, self),
                                    rendezvous_name=c.connection_info_name,
                                    namespace=c.namespace, dtype=c.dtype)
             return WeightSender(self, writer, c.num_workers)
@@ -216,7 +243,8 @@ class RayWeightSender(WeightSender):
         writer: RayWriter
         if c.trainer_ranks > 1:  # rank 0 of a sharded trainer: no node-local path
             writer = RayLeadWriter(
-                trainer_ranks=c.trainer_ranks, num_workers=c.num_workers, backend=c.backend,
+                trainer_ranks=c.trainer_ranks, rank_key=checked_rank_key(c.rank_key, scheme),
+                num_workers=c.num_workers, backend=c.backend,
                 node_local=False, checksums=c.checksums, rendezvous_name=c.connection_info_name,
                 secret=c.secret, timeout=scheme.peer_timeout, dtype=c.dtype, namespace=c.namespace)
         else:

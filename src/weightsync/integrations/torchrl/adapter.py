@@ -115,6 +115,12 @@ class WeightsyncTorchRLScheme(_TrainerEnd, _WorkerEnd):
         state = super().__getstate__()
         for key in self._process_local:
             state[key] = None
+        # workers get the workers' copy of each weightsync scheme (a sharded one's pickle
+        # then leaves its trainer ranks' key out)
+        if state.get("_ws") is not None:
+            state["_ws"] = state["_ws"].for_workers()
+        if state.get("_streams") is not None:
+            state["_streams"] = [scheme.for_workers() for scheme in state["_streams"]]
         state["_pending_async"] = False
         return state
 

@@ -123,13 +123,14 @@ class ShardedMemberWriter:
     needs_acks = True
 
     def __init__(self, directory: Path, num_workers: int, *, rank: int, ranks: int,
-                 dtype: torch.dtype | None, durable: bool, mode: int, poll_interval: float) -> None:
+                 rank_key: str, dtype: torch.dtype | None, durable: bool, mode: int,
+                 poll_interval: float) -> None:
         if not 1 <= rank < ranks:
             raise ValueError(f"a member writer is rank 1..{ranks - 1}, got {rank}")
         ensure_directory(directory, mode, create=True)
         self.directory, self.num_workers, self.rank, self.ranks = directory, num_workers, rank, ranks
         self.dtype, self.durable, self.poll_interval = dtype, durable, poll_interval
-        self.board = MemberFiles(directory, mode, rank, poll_interval)
+        self.board = MemberFiles(directory, mode, rank, poll_interval, rank_key)
         self.member = RankMember(self.board, rank)
         self.recovered_version = self.joined_at = self.published = latest_committed(directory)
         self.committed = NO_VERSION

@@ -42,12 +42,12 @@ class DirectoryLeadWriter(DirectoryWriter):
 
     sharded = True
 
-    def __init__(self, directory: Path, num_workers: int, *, ranks: int,
+    def __init__(self, directory: Path, num_workers: int, *, ranks: int, rank_key: str,
                  dtype: torch.dtype | None, durable: bool, mode: int, poll_interval: float) -> None:
         super().__init__(directory, num_workers, dtype=dtype, durable=durable, mode=mode,
                          poll_interval=poll_interval)
         self.ranks = ranks
-        self.lead = RankLead(LeadFiles(directory, mode, ranks, poll_interval), ranks)
+        self.lead = RankLead(LeadFiles(directory, mode, ranks, poll_interval, rank_key), ranks)
         self.joined_at = self.published
         self.committed = NO_VERSION
         self._part: RankPart | None = None

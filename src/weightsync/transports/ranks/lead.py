@@ -28,6 +28,12 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.02
 
 
+def while_ranks_write(plan: Plan) -> None:
+    """Called in rank 0 once it posted ``plan`` and wrote its own part, before it waits for
+    the other ranks' done records; tests replace it (in rank 0's own process) to hold rank 0
+    inside its send at exactly that point (a rank restarted meanwhile, a forged record)."""
+
+
 def _also(ranks: list[int]) -> str:
     return f" (nor did trainer ranks {ranks[1:]})" if len(ranks) > 1 else ""
 
@@ -77,7 +83,8 @@ class RankLead:
                 raise TrainerRankLostError(
                     f"trainer rank {missing[0]} did not join version {version} within "
                     f"{deadline}{_also(missing)} (trainer_ranks={self.world}: every rank "
-                    "calls scheme.create_sender(rank=r), register_model() and connect())",
+                    "calls scheme.create_sender(rank=r) on the scheme handed to it, the same "
+                    "for every rank, then register_model() and connect())",
                     rank=missing[0])
             self.board.wait(ahead.slice(POLL_S))
         key = (dict(self.met), layout.fingerprint, own)
@@ -104,6 +111,7 @@ class RankLead:
     def wait_done(self, plan: Plan, deadline: Deadline) -> dict[int, Done]:
         """Every rank's done record of ``plan``'s attempt, by the incarnation it names;
         a rank lost meanwhile, or silent at ``deadline.ahead()``, fails the attempt."""
+        while_ranks_write(plan)
         ahead = deadline.ahead()
         while True:
             dones = {r: d for r, d in self.board.dones(plan.attempt).items()

@@ -55,7 +55,7 @@ class RayMembers:
 
     def __init__(self, *, num_workers: int, backend: str, secret: str, rendezvous_name: str,
                  store_timeout: float, trainer_ranks: int = 1,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, rank_key: str = "") -> None:
         import ray
 
         self._ray = ray
@@ -76,7 +76,7 @@ class RayMembers:
         self._local_handles: dict[int, Any] = {}  # the actor each node-local worker is
         #: group ranks 0..trainer_ranks-1 are the trainer's ranks (sharded), actors follow
         self.trainer_ranks = trainer_ranks
-        self.rendezvous: Any = start_rendezvous(rendezvous_name, namespace)
+        self.rendezvous: Any = start_rendezvous(rendezvous_name, namespace, rank_key)
 
     # ------------------------------------------------------------------ handles
     def register(self, worker_idx: int, handle: Any) -> None:

@@ -6,6 +6,8 @@ model. It owns the actor handles, the group generations (group ranks ``0..N-1`` 
 trainer's ranks, the relay actors follow) and the rendezvous actor, which is also the
 board through which ranks 1..N-1 post their hellos and dones and read rank 0's plans and
 outcomes (``sharded_rank.py``): no collective ever runs on the user's process group.
+Every record is sealed with the ranks' key (``transports/ranks/seal.py``); rank 0 drops, and
+logs, a rank record that does not prove it.
 
 Version n: rank 0 meets the ranks (layouts and cover checked once per change), builds a
 generation if there is none, posts the plan (the generation, the relays, the chunk size),
@@ -40,6 +42,15 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ranks.lead import RankLead
 from weightsync.transports.ranks.liveness import hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
+from weightsync.transports.ranks.seal import (
+    DONE,
+    HELLO,
+    MAC,
+    OUTCOME,
+    PLAN,
+    DropLog,
+    RecordSeal,
+)
 from weightsync.transports.ray import shard_stream
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
 from weightsync.transports.ray.shard_stream import send_pieces
@@ -56,8 +67,13 @@ class RayLeadBoard:
     :class:`~weightsync.transports.ranks.board.LeadBoard`). ``broken``: the ranks whose
     stream a relay saw break in the attempt under way (the data plane's word)."""
 
-    def __init__(self, members: RayMembers, world: int) -> None:
+    def __init__(self, members: RayMembers, world: int, rank_key: str) -> None:
         self.members, self.world = members, world
+        self.seal = RecordSeal(rank_key)
+        self._drops = DropLog(logger)
+        #: the hellos verified, by their proof (the board is read every few ms; a hello of
+        #: a large model takes milliseconds to verify)
+        self._verified: dict[str, Hello] = {}
         self.broken: dict[int, str] = {}
         self.watch: Callable[[], None] | None = None  # polls the relays while they take
 
@@ -68,11 +84,21 @@ class RayLeadBoard:
 
     def _all_hellos(self) -> dict[int, Hello]:
         out = {}
+        verified = {}
         for rank, raw in self.call("get_hellos").items():
-            try:
-                out[int(rank)] = Hello.from_json(raw, f"trainer rank {rank}'s hello")
-            except IntegrityError as exc:
-                logger.warning("%s: ignored", exc)
+            where = f"trainer rank {rank}'s hello"
+            proof = raw.get(MAC) if isinstance(raw, dict) else None
+            hello = self._verified.get(proof) if isinstance(proof, str) else None
+            if hello is None:
+                try:
+                    hello = Hello.from_json(self.seal.opened(HELLO, raw, where), where)
+                except IntegrityError as exc:
+                    self._drops.dropped(int(rank), exc, raw)
+                    continue
+            verified[str(proof)] = hello
+            if hello.rank == int(rank):
+                out[hello.rank] = hello
+        self._verified = verified
         return out
 
     def hellos(self) -> dict[int, Hello]:
@@ -87,19 +113,23 @@ class RayLeadBoard:
 
     def post_plan(self, plan: Plan) -> None:
         self.broken = {}
-        self.call("post_plan", plan.to_json())
+        self.call("post_plan", self.seal.seal(PLAN, plan.to_json()))
 
     def dones(self, attempt: str) -> dict[int, Done]:
         out = {}
         for rank, raw in self.call("get_dones", attempt).items():
+            where = f"trainer rank {rank}'s done"
             try:
-                out[int(rank)] = Done.from_json(raw, f"trainer rank {rank}'s done")
+                done = Done.from_json(self.seal.opened(DONE, raw, where), where)
             except IntegrityError as exc:
-                logger.warning("%s: ignored", exc)
+                self._drops.dropped(int(rank), exc, raw)
+                continue
+            if done.rank == int(rank) and done.attempt == attempt:
+                out[done.rank] = done
         return out
 
     def post_outcome(self, outcome: Outcome) -> None:
-        self.call("post_outcome", outcome.attempt, outcome.to_json())
+        self.call("post_outcome", outcome.attempt, self.seal.seal(OUTCOME, outcome.to_json()))
 
     def wait(self, seconds: float) -> None:
         if self.watch is not None:
@@ -112,14 +142,14 @@ class RayLeadWriter(RayWriter):
 
     sharded = True
 
-    def __init__(self, *, trainer_ranks: int, **options: Any) -> None:
-        super().__init__(trainer_ranks=trainer_ranks, **options)
+    def __init__(self, *, trainer_ranks: int, rank_key: str, **options: Any) -> None:
+        super().__init__(trainer_ranks=trainer_ranks, rank_key=rank_key, **options)
         self.trainer_ranks = trainer_ranks
         self.joined_at = NO_VERSION
         #: the version published (the sender reads it), back to the last committed one if
         #: that version fails after publish (the sender then does not count it)
         self.committed = self._last_committed = NO_VERSION
-        self.board = RayLeadBoard(self.members, trainer_ranks)
+        self.board = RayLeadBoard(self.members, trainer_ranks, rank_key)
         self.lead = RankLead(self.board, trainer_ranks)
         self._regions: dict[int, dict[str, list[int]]] = {}
         self._pieces: list[Any] = []

@@ -9,7 +9,8 @@ While it waits for a plan it joins each new group generation as group rank ``ran
 ranks ``0..N-1`` are the trainer's ranks); for the plan that names it, it streams its pieces
 to every relay actor (``shard_stream``), posts its done (with the error its stream hit, if
 any) and returns once rank 0 posted the outcome. The rendezvous actor dies with rank 0's
-process: that is :class:`TrainerRankLostError` naming rank 0.
+process: that is :class:`TrainerRankLostError` naming rank 0. Its records are sealed with
+the ranks' key, and it takes only rank 0's records that prove it (``transports/ranks/seal.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ranks.liveness import process_detail
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
+from weightsync.transports.ranks.seal import (
+    DONE,
+    HELLO,
+    OUTCOME,
+    PLAN,
+    WITHDRAW,
+    DropLog,
+    RecordSeal,
+)
 from weightsync.transports.ray.group import GroupInfo, WeightGroup
 from weightsync.transports.ray.shard_stream import send_pieces
 
@@ -51,10 +61,13 @@ class RayMemberBoard:
     :class:`~weightsync.transports.ranks.board.MemberBoard`); joining group generations is
     the data plane beside it."""
 
-    def __init__(self, rank: int, secret: str, rendezvous_name: str, namespace: str) -> None:
+    def __init__(self, rank: int, secret: str, rank_key: str, rendezvous_name: str,
+                 namespace: str) -> None:
         import ray
 
         self._ray, self.rank, self.secret = ray, rank, secret
+        self.seal = RecordSeal(rank_key)
+        self._drops = DropLog(logger)
         self.rendezvous_name, self.namespace = rendezvous_name, namespace
         self.actor: Any = None
         self.group: WeightGroup | None = None
@@ -94,32 +107,47 @@ class RayMemberBoard:
 
     # ------------------------------------------------------------------ the board
     def post_hello(self, hello: Hello) -> None:
-        why = self._call("post_hello", self.rank, hello.to_json())
+        why = self._call("post_hello", self.rank, self.seal.seal(HELLO, hello.to_json()))
         if why:
             raise WeightSyncError(f"trainer rank {self.rank} was refused by rank 0: {why}")
 
     def withdraw(self, hello: Hello) -> None:
         if self.actor is not None:
             with contextlib.suppress(Exception):
-                self._ray.get(self.actor.withdraw_hello.remote(self.rank, hello.incarnation),
-                              timeout=2)
+                withdrawal = {"rank": self.rank, "incarnation": hello.incarnation}
+                self._ray.get(self.actor.withdraw_hello.remote(
+                    self.rank, self.seal.seal(WITHDRAW, withdrawal)), timeout=2)
 
     def plans(self) -> list[Plan]:
         raw = self._look()["plan"]
+        where = "rank 0's plan"
         try:
-            return [] if raw is None else [Plan.from_json(raw, "rank 0's plan")]
+            return [] if raw is None else [Plan.from_json(self.seal.opened(PLAN, raw, where),
+                                                          where)]
         except IntegrityError as exc:
-            logger.warning("%s: ignored", exc)
+            self._drops.dropped(0, exc, raw)
             return []
 
     def outcome(self, attempt: str) -> Outcome | None:
         plan, raw = self._snapshot.get("plan"), self._snapshot.get("outcome")
         if raw is None or plan is None or plan.get("attempt") != attempt:
             raw = self._call("get_outcome", attempt)
-        return None if raw is None else Outcome.from_json(raw, "rank 0's outcome")
+        if raw is None:
+            return None
+        where = "rank 0's outcome"
+        try:
+            outcome = Outcome.from_json(self.seal.opened(OUTCOME, raw, where), where)
+        except IntegrityError as exc:
+            self._drops.dropped(0, exc, raw)
+            return None
+        return outcome if outcome.attempt == attempt else None
 
     def post_done(self, done: Done) -> None:
-        self._call("post_done", self.rank, done.attempt, done.to_json())
+        why = self._call("post_done", self.rank, done.attempt,
+                         self.seal.seal(DONE, done.to_json()))
+        if why:
+            logger.warning("trainer rank %d: rank 0's board refused its done: %s", self.rank,
+                           why)
 
     def lead_lost(self) -> str:
         return ""  # every call raises once the rendezvous actor died with rank 0
@@ -167,13 +195,13 @@ class RankRayWriter:
     needs_acks = False
     sharded = True
 
-    def __init__(self, *, rank: int, secret: str, rendezvous_name: str, namespace: str,
-                 dtype: torch.dtype | None) -> None:
+    def __init__(self, *, rank: int, secret: str, rank_key: str, rendezvous_name: str,
+                 namespace: str, dtype: torch.dtype | None) -> None:
         self.rank = rank
         self.dtype = dtype
         self.joined_at = NO_VERSION
         self.committed = NO_VERSION
-        self.board = RayMemberBoard(rank, secret, rendezvous_name, namespace)
+        self.board = RayMemberBoard(rank, secret, rank_key, rendezvous_name, namespace)
         self.member = RankMember(self.board, rank)
 
     def start(self, deadline: Deadline) -> None:

@@ -70,12 +70,14 @@ class RayWriter:
     def __init__(self, *, num_workers: int, backend: str, node_local: bool, checksums: bool,
                  rendezvous_name: str, secret: str, timeout: float,
                  dtype: torch.dtype | None = None, delta: bool = False,
-                 trainer_ranks: int = 1, namespace: str | None = None) -> None:
+                 trainer_ranks: int = 1, namespace: str | None = None,
+                 rank_key: str = "") -> None:
         if delta:
             check_available()
         self.members = RayMembers(num_workers=num_workers, backend=backend, secret=secret,
                                   rendezvous_name=rendezvous_name, store_timeout=timeout,
-                                  trainer_ranks=trainer_ranks, namespace=namespace)
+                                  trainer_ranks=trainer_ranks, namespace=namespace,
+                                  rank_key=rank_key)
         self.backend = backend
         self.node_local = node_local
         self.checksums = checksums
