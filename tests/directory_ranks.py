@@ -146,6 +146,12 @@ def local_shard_rank(rank: int, world: int, scheme: Any, steps: int,
     return report
 
 
+def own_scheme_rank(rank: int, world: int, directory: Path, steps: int) -> dict[str, Any]:
+    """:func:`local_shard_rank` with a scheme this process makes itself, as every rank of a
+    ``torchrun`` job does: the ranks agree on the directory's own rank key."""
+    return local_shard_rank(rank, world, sharded_scheme(directory, world), steps)
+
+
 def wrong_layout_rank(rank: int, world: int, scheme: Any, wrong: str) -> None:
     """Rank 1 registers a model that disagrees with rank 0's (``wrong``: "shape"/"overlap")."""
     with scheme.create_sender(rank=rank) as sender:

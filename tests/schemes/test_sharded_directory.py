@@ -14,6 +14,7 @@ import torch
 from directory_ranks import (
     hammering_reader,
     local_shard_rank,
+    own_scheme_rank,
     racing_rank,
     sharded_scheme,
     wrong_layout_rank,
@@ -57,6 +58,19 @@ def test_local_shards_uneven_rows_and_columns(directory, world):
     reports = _all_ok(run_ranks(local_shard_rank, world, 90,
                                        sharded_scheme(directory, world), 3))
     assert all(r["versions"] == [0, 1, 2] for r in reports)
+
+
+def test_ranks_that_each_make_the_scheme_again_share_the_directory_key(directory):
+    """torchrun-style: no scheme is handed over; every rank makes its own of the directory,
+    reads the same rank key from it (the file is the scheme's mode: 0o600), and they commit
+    together; the workers' copy still holds no key."""
+    reports = _all_ok(run_ranks(own_scheme_rank, 2, 90, directory, 2))
+    assert all(r["versions"] == [0, 1] for r in reports)
+    key_file = directory / "rank-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    scheme = sharded_scheme(directory, 2)
+    assert scheme.config.rank_key == key_file.read_text()
+    assert pickle.loads(pickle.dumps(scheme.for_workers())).config.rank_key == ""
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_mode
 from weightsync.transports.directory.manifest import Commit
+from weightsync.transports.directory.ranks import shared_rank_key
 from weightsync.transports.directory.reader import DirectoryReader, Loader, check_layout_matches
 from weightsync.transports.directory.sharded import ShardedMemberWriter
 from weightsync.transports.directory.sharded_lead import DirectoryLeadWriter
@@ -115,10 +116,13 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
         # absolute: the scheme is pickled to workers whose working directory may differ
-        self.config = DirectoryConfig(
-            Path(directory).absolute(), num_workers, dtype, bool(durable), poll_interval, mode,
-            trainer_ranks, adapter,
-            rank_key=new_rank_key() if checked_trainer_ranks(trainer_ranks) > 1 else "")
+        config = DirectoryConfig(Path(directory).absolute(), num_workers, dtype, bool(durable),
+                                 poll_interval, mode, trainer_ranks, adapter)
+        if config.trainer_ranks > 1:  # the directory's own key: ranks that each make this
+            # scheme again (torchrun) agree on it; validated arguments first, then the file
+            config = replace(config, rank_key=shared_rank_key(config.directory, config.mode,
+                                                              new_rank_key))
+        self.config = config
 
     directory = property(lambda self: self.config.directory)
     num_workers = property(lambda self: self.config.num_workers)
@@ -145,8 +149,9 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
         """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an
         unsharded trainer, else this process's torch.distributed rank). A sharded trainer's
-        ranks need the rank key: every rank is handed this scheme (pickled), not a scheme
-        made again in each process, and not the copy :meth:`for_workers` makes."""
+        ranks need the rank key: this scheme, pickled, or one made again of the same
+        directory (the key is the directory's ``rank-key`` file), not the copy
+        :meth:`for_workers` makes."""
         return VLLMDoubleBufferWeightSender(self, rank)
 
     def create_receiver(self, worker_idx: int = 0) -> VLLMDoubleBufferWeightReceiver:

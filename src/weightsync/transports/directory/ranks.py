@@ -8,6 +8,8 @@ records are small JSON files, each with one writer.
     pending.json      rank 0: the current plan (version n into slot i) and the outcomes
                       of the last few attempts
     rank-<r>.json     rank r: its done record of an attempt, with its checksum shares
+    rank-key          the ranks' key (:func:`shared_rank_key`), readable by the scheme's
+                      file mode only
 
 Each file is written atomically (temp file + rename) and read by the others as untrusted
 input (validated, never unpickled), like the manifest and acks. Every record is sealed with
@@ -30,7 +32,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from weightsync.core.errors import IntegrityError, WeightSyncError
-from weightsync.transports.directory.files import read_json_if_changed, write_json_atomic
+from weightsync.transports.directory.files import (
+    create_temp,
+    ensure_directory,
+    open_regular,
+    read_json_if_changed,
+    write_json_atomic,
+)
 from weightsync.transports.directory.manifest import ManifestCache, sender_alive
 from weightsync.transports.ranks.liveness import claim_refused, hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
@@ -47,10 +55,46 @@ from weightsync.transports.ranks.seal import (
 logger = logging.getLogger(__name__)
 
 PENDING = "pending.json"
+RANK_KEY = "rank-key"
+#: the key's length in hex digits (:func:`weightsync.schemes.ranks.new_rank_key`)
+_KEY_HEX = 32
 #: outcomes ``pending.json`` keeps (a rank that looks late still finds its attempt's)
 KEPT_OUTCOMES = 8
 
 T = TypeVar("T")
+
+
+def shared_rank_key(directory: Path, mode: int, new_key: Callable[[], str]) -> str:
+    """The trainer ranks' key of a sharded directory: its ``rank-key`` file, which the first
+    process to ask creates (``new_key()``, linked in whole, never half-written). Rank
+    processes that each make the scheme again (``torchrun``) thus hold the same key; a
+    scheme handed over pickled carries it. Who may read the directory's files may read it:
+    the directory's file mode is this transport's boundary (docs/security.md)."""
+    ensure_directory(directory, mode, create=True)
+    path = directory / RANK_KEY
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            fd = open_regular(path, os.O_RDONLY)
+            try:
+                text = os.read(fd, 4 * _KEY_HEX).decode("ascii", "replace").strip()
+            finally:
+                os.close(fd)
+            if len(text) != _KEY_HEX or any(ch not in "0123456789abcdef" for ch in text):
+                raise IntegrityError(
+                    f"{path} does not hold a rank key ({_KEY_HEX} hex digits): remove it, and "
+                    "every trainer rank makes its scheme again")
+            return text
+        tmp, fd = create_temp(directory, RANK_KEY, mode)
+        try:
+            try:
+                os.write(fd, new_key().encode("ascii"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with contextlib.suppress(FileExistsError):  # another rank linked its key first
+                os.link(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def hello_path(directory: Path, rank: int) -> Path:

@@ -65,7 +65,7 @@ class RecordSeal:
         if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
             raise UnsealedRecordError(
                 f"{where} does not prove the scheme's rank key (forged, or written by a "
-                "process handed another scheme: every rank must be handed the same one)")
+                "process with another scheme's key: every rank must be handed the same one)")
         return body
 
     def _mac(self, kind: str, body: dict[str, Any]) -> str:
