@@ -156,9 +156,11 @@ def test_an_attempt_decided_before_a_send_began_is_dropped_and_named_at_its_dead
     board = MemoryBoard()
     lead, member = RankLead(board, 2), RankMember(board, 1)
     member.announce(hello())
+    written: list[int] = []
+    with pytest.raises(TrainerRankLostError):  # its send gives up before rank 0 starts
+        member_send(member, 1, 0.05, written)
     with pytest.raises(TrainerRankLostError):  # the member is stopped: nobody writes
         lead_send(lead, 1, 0.3)
-    written: list[int] = []
     with pytest.raises(TrainerRankLostError) as missed:  # it woke up: no new attempt
         member_send(member, 1, 0.2, written)
     assert missed.value.rank == 1 and "before this rank's send began" in str(missed.value)
@@ -167,6 +169,20 @@ def test_an_attempt_decided_before_a_send_began_is_dropped_and_named_at_its_dead
     assert lead_send(lead, 1, 5.0) == 1
     thread.join(5)
     assert box == {"value": 1} and written == [1]
+
+
+def test_a_failure_decided_for_this_sends_hello_before_the_member_looks_is_raised_at_once():
+    """Rank 0 refuses the hello of a send (its plan and outcome posted) before that send's
+    first look at the board: the failure answers this send, it is not a stale one."""
+    board = MemoryBoard()
+    lead, member = RankLead(board, 2), RankMember(board, 1)
+    member.announce(hello(regions={"w": [0, 4, 0, 3]}))  # overlaps rank 0's rows
+    with pytest.raises(SchemaMismatchError):
+        lead_send(lead, 0, 5.0)
+    started = time.monotonic()
+    with pytest.raises(SchemaMismatchError, match="trainer ranks 0 and 1 both write"):
+        member_send(member, 0, 5.0, [])
+    assert time.monotonic() - started < 2.0  # not waited out to its deadline
 
 
 def test_a_failure_decided_while_a_member_waits_is_raised_as_rank_0_raised_it():

@@ -142,11 +142,15 @@ class RankLead:
         """The attempt at ``version`` failed with ``error`` (before its plan, too): every
         rank that waits raises the same. A lost rank is met and checked again next time."""
         plan, self.current = self.current, None
-        if plan is None:
+        if plan is None:  # the outcome first: a rank never sees this plan without it (and
+            # would otherwise write into a slot that was never handed out)
             plan = Plan(version, new_id(), dict(self.met))
+            outcome = failure(plan, error)
+            self.board.post_outcome(outcome)
             self.board.post_plan(plan)
-        outcome = failure(plan, error)
-        self.board.post_outcome(outcome)
+        else:
+            outcome = failure(plan, error)
+            self.board.post_outcome(outcome)
         if isinstance(error, TrainerRankLostError):
             self._checked = None
         logger.warning("version %d was not committed: %s", version, outcome.message)

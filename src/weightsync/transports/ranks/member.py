@@ -37,12 +37,15 @@ class RankMember:
         #: the plan whose failure the last take_part raised (None: it raised no outcome)
         self.failed: Plan | None = None
         self._handled: set[str] = set()  # attempts taken part in, or decided before asked
+        #: the hello was posted for the send now under way: a plan naming it answers this send
+        self._announced_now = False
 
     def announce(self, hello: Hello) -> None:
         """Post ``hello`` if it is a new incarnation."""
         if self.hello is None or self.hello.incarnation != hello.incarnation:
             self.board.post_hello(hello)
             self.hello = hello
+            self._announced_now = True
 
     def take_part(self, write: Callable[[Plan], dict[str, Any]], version: int,
                   deadline: Deadline) -> int:
@@ -52,13 +55,16 @@ class RankMember:
         assert self.hello is not None, "announce() first"
         incarnation = self.hello.incarnation
         self.failed = None
+        fresh, self._announced_now = self._announced_now, False
         self.board.wait(0.0)  # take in what arrived while this rank was away
         missed: Outcome | None = None  # the newest attempt for it that failed before it came
         for plan in self.board.plans():
             outcome = self.board.outcome(plan.attempt)
             if outcome is not None:
-                self._handled.add(plan.attempt)  # decided before this send: not its
                 named = plan.incarnations.get(self.rank) == incarnation
+                if named and fresh:  # it answers the hello of this very send: not stale
+                    continue
+                self._handled.add(plan.attempt)  # decided before this send: not its
                 missed = None if outcome.committed else outcome if named else missed
         while True:
             for plan in self.board.plans():
