@@ -59,11 +59,13 @@ from weightsync.integrations.vllm.remote import (
     staging_directory,
     wait_staged,
 )
+from weightsync.integrations.vllm.served_adapters import AdapterFiles, load_on_server, version_path
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
     VLLMDoubleBufferWeightSender,
 )
+from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.transports.delta.codec import check_available as check_delta_available
 from weightsync.transports.net.packed import PackedVersion, plan
 from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
@@ -86,9 +88,18 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     address: str = ""
     token: str = ""
     ticket: str = ""
+    adapter: str = ""  # a LoRA adapter's versions, not full weights (vllm serve --enable-lora)
+    adapter_dir: str = ""  # where this server's host keeps them (the trainer names it)
+    adapter_keep: int = 4
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
+        if self.adapter:
+            check_adapter_name(self.adapter)
+            if not os.path.isabs(self.adapter_dir):
+                raise ValueError("init_info with 'adapter' needs 'adapter_dir', an absolute "
+                                 "path on the server's host (the trainer engine sends it)")
+            self.adapter_keep = checked_int(self.adapter_keep, "init_info adapter_keep", 1)
         if bool(self.directory) == bool(self.address):
             raise ValueError("init_info needs exactly one of 'directory' (a directory both "
                              "sides see) and 'address' (the trainer's HOST:PORT)")
@@ -154,6 +165,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.receiver: VLLMDoubleBufferWeightReceiver | None = None
         self.remote: WeightSyncInitInfo | None = None  # the network path's session
         self.host: HostReceiver | None = None  # this host's one receiver (local rank 0)
+        self.adapter: WeightSyncInitInfo | None = None  # the session, when it serves an adapter
+        self.adapter_files: AdapterFiles | None = None  # its files (local rank 0 writes them)
         engine_id = f"{getattr(self.vllm_config, 'instance_id', '')}/{os.getppid()}"
         self.staging = staging_directory(engine_id)
         self.host_label = host_name(engine_id)
@@ -170,6 +183,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         network path, first have this host's receiver fetch the trainer's current version
         into the host-local staging directory."""
         self.shutdown()
+        if init_info.adapter:
+            self._init_adapter(init_info)
+            return
         idx = self.worker_idx
         directory, num_workers, local = init_info.directory, init_info.num_workers, None
         if init_info.address:
@@ -202,13 +218,62 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
                     receiver.version)
 
+    def _init_adapter(self, init_info: WeightSyncInitInfo) -> None:
+        """A LoRA adapter's versions: the base weights stay as served; this host's first
+        rank stages the trainer's current adapter version for vLLM's LoRA loader (every
+        rank loads it from there when the trainer points the adapter's name at it)."""
+        lora_config = getattr(self.vllm_config, "lora_config", None)
+        if lora_config is None:
+            raise WeightSyncError(
+                f"vLLM worker {self.worker_idx} on {self.host_label}: the trainer sends LoRA "
+                f"adapter {init_info.adapter!r}, but this server has LoRA off: start it with "
+                "--enable-lora --max-lora-rank R (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+        self.adapter = init_info
+        self.remote = init_info if init_info.address else None
+        if not _is_host_receiver():
+            return  # one copy of the files per host
+        files = self.adapter_files
+        if files is None or str(files.root) != init_info.adapter_dir:
+            files = self.adapter_files = AdapterFiles(
+                init_info.adapter_dir, init_info.adapter, int(lora_config.max_lora_rank),
+                init_info.adapter_keep)
+        if not init_info.address:
+            files.stage(init_info.directory, init_info.timeout)
+            return
+        if self.host is None:
+            self.host = HostReceiver(self.staging, 1, self.host_label, init_info.timeout)
+        key = request_key(init_info.token, f"init/{init_info.ticket}")
+        local = self.host.stage(init_info.address, init_info.token, None, key, init_info.timeout)
+        files.stage(self.staging, init_info.timeout, expect=local, label=self.host.version)
+
+    def _receive_adapter(self, version: int | None, timeout: float | None) -> None:
+        """Stage adapter version ``version`` on this host (its first rank; the others have
+        nothing to do: vLLM's LoRA loader reads the staged files on every rank)."""
+        session = self.adapter
+        assert session is not None
+        if version is None:
+            raise ValueError("a LoRA adapter update needs update_info {'version': v} (the "
+                             "weightsync trainer engine sends it)")
+        files = self.adapter_files
+        if files is None:
+            return
+        timeout = session.timeout if timeout is None else timeout
+        if not session.address:
+            files.stage(session.directory, timeout, expect=version)
+            return
+        assert self.host is not None
+        key = request_key(session.token, f"version/{version}")
+        local = self.host.stage(session.address, session.token, version, key, timeout)
+        files.stage(self.staging, timeout, expect=local, label=version)
+
     def _local_ranks(self) -> int:
         """The ranks that load from this host's staging directory (an engine on one host)."""
         return max(int(getattr(self.parallel_config, "world_size", 1) or 1), 1)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
-        self._receiver()
+        if self.adapter is None:
+            self._receiver()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load the named version (no device synchronisation is needed on CPU)."""
@@ -217,6 +282,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        if self.adapter is not None:
+            self._receive_adapter(update_info.version, update_info.timeout)
+            return
         receiver = self._receiver()
         version = update_info.version
         if self.remote is not None:
@@ -256,16 +324,20 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             self.receiver.close()
             self.receiver = None
         self.remote = None
+        self.adapter = None  # its staged files stay: vLLM may read them again
 
     def __del__(self) -> None:
-        host = getattr(self, "host", None)
-        if host is not None:
-            with contextlib.suppress(Exception):
-                host.close()
+        for owned in (getattr(self, "host", None), getattr(self, "adapter_files", None)):
+            if owned is not None:
+                with contextlib.suppress(Exception):
+                    owned.close()
 
     @property
     def version(self) -> int:
-        """The version this worker holds (-1 before ``init_weight_transfer_engine``)."""
+        """The version this worker holds (-1 before ``init_weight_transfer_engine``; with an
+        adapter, the one this host staged last)."""
+        if self.adapter_files is not None:
+            return self.adapter_files.version
         return -1 if self.receiver is None else self.receiver.version
 
     def _receiver(self) -> VLLMDoubleBufferWeightReceiver:
@@ -282,7 +354,12 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """Trainer side: where versions go (``directory``, on one host; or ``address``,
     ``HOST:PORT`` where the trainer listens for its servers' hosts), in which dtype (e.g.
     "bfloat16"), for how many workers; ``delta``: each host gets the difference from the
-    version it holds (network path)."""
+    version it holds (network path).
+
+    ``adapter``: send only the active LoRA adapter of the source's peft model, served by
+    each ``vllm serve --enable-lora`` under this one name, a new version at each
+    ``send_weights()``; each server's host keeps the newest ``adapter_keep`` versions' files
+    in a private directory under ``adapter_root`` (a directory on the servers' hosts)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = ""
@@ -291,6 +368,9 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     num_workers: int = 1
     address: str = ""
     delta: bool = False
+    adapter: str = ""
+    adapter_root: str = "/dev/shm"
+    adapter_keep: int = 4
 
 
 def _server_name(client: Any) -> str:
@@ -321,6 +401,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._pack_seconds = 0.0
         self._token = ""
         self._needs_init: set[int] = set()  # servers to initialise again (they failed)
+        self.adapter: LoraAdapter | None = None  # adapter mode: only this adapter travels
+        self._adapter_init: dict[str, Any] = {}
+        self._adapter_dirs: dict[int, str] = {}  # per server: where its host keeps versions
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -331,6 +414,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             raise ValueError("WeightSyncTrainerInitInfo needs exactly one of directory= (one "
                              "host) and address= (HOST:PORT the servers' hosts can reach)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if init_info.adapter:
+            engine._start_adapter(init_info, source)
         weights = engine._materialise()
         if not engine.is_sender:
             return engine
@@ -339,16 +424,50 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if init_info.address:
             engine._start_network(init_info, weights)
             return engine
-        scheme = VLLMDoubleBufferSyncScheme(init_info.directory, num_workers=init_info.num_workers,
-                                            timeout=init_info.timeout, dtype=engine.dtype)
+        scheme = VLLMDoubleBufferSyncScheme(
+            init_info.directory, num_workers=1 if init_info.adapter else init_info.num_workers,
+            timeout=init_info.timeout, dtype=engine.dtype, adapter=init_info.adapter or None)
         engine.sender = scheme.create_sender()
-        engine.sender.register_model(weights)
-        engine.version = engine.sender.update_weights(weights)
+        if engine.adapter is not None:
+            engine.sender.register_model(engine.adapter.model)
+            engine.version = engine.sender.update_weights()
+        else:
+            engine.sender.register_model(weights)
+            engine.version = engine.sender.update_weights(weights)
         client.init_weight_transfer_engine({
             "directory": init_info.directory, "timeout": init_info.timeout,
-            "num_workers": init_info.num_workers,
+            "num_workers": init_info.num_workers, **engine._adapter_info(0),
         })
+        engine._load_adapter(0, client)
         return engine
+
+    def _start_adapter(self, init_info: WeightSyncTrainerInitInfo, source: WeightSource) -> None:
+        """Adapter mode: the source must be a peft model's (``ModuleSource(peft_model)``);
+        each server's host gets a private directory of its own for the versions."""
+        model = getattr(source, "_module", source)  # ModuleSource keeps its module there
+        self.adapter = LoraAdapter(model, init_info.adapter)
+        if not os.path.isabs(init_info.adapter_root):
+            raise ValueError(f"adapter_root must be an absolute path on the servers' hosts, "
+                             f"got {init_info.adapter_root!r}")
+        root = init_info.adapter_root.rstrip("/") or "/"
+        self._adapter_dirs = {
+            index: f"{root}/weightsync-{self.adapter.name}-{secrets.token_hex(8)}"
+            for index in range(len(self.clients))}
+        self._adapter_init = {"adapter": self.adapter.name, "adapter_keep": init_info.adapter_keep}
+
+    def _adapter_info(self, index: int) -> dict[str, Any]:
+        """What server ``index``'s init_info carries in adapter mode (nothing otherwise)."""
+        if self.adapter is None:
+            return {}
+        return {**self._adapter_init, "adapter_dir": self._adapter_dirs[index]}
+
+    def _load_adapter(self, index: int, client: Any) -> None:
+        """Adapter mode: point the adapter's name on server ``index`` at the version its
+        host just staged (``/v1/load_lora_adapter``, a new path per version)."""
+        if self.adapter is None:
+            return
+        path = version_path(self._adapter_dirs[index], self.adapter.name, self.version)
+        load_on_server(client, self.adapter.name, path, self.timeout)
 
     def _start_network(self, init_info: WeightSyncTrainerInitInfo,
                        weights: dict[str, torch.Tensor]) -> None:
@@ -359,8 +478,13 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                                           delta=init_info.delta)
         self.version = 0
         packed = self._publish(weights)
+
+        def init(index: int, client: Any) -> None:
+            self._init_server(index, client)
+            self._load_adapter(index, client)
+
         try:
-            self._each_server("init", self._init_server, lambda: self._fill(packed, weights))
+            self._each_server("init", init, lambda: self._fill(packed, weights))
         except BaseException:
             self.shutdown()
             raise
@@ -371,10 +495,14 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         assert self.publisher is not None
         client.init_weight_transfer_engine({
             "address": self.publisher.address, "token": self._token,
-            "ticket": secrets.token_hex(8), "timeout": self.timeout,
+            "ticket": secrets.token_hex(8), "timeout": self.timeout, **self._adapter_info(index),
         })
 
     def _materialise(self) -> dict[str, torch.Tensor]:
+        """This round's tensors: the whole model's, or in adapter mode the adapter's alone
+        (``BaseWeightChangedError`` if a base weight changed since the first round)."""
+        if self.adapter is not None:
+            return self.adapter.tensors()
         assert self.source is not None
         return {name: tensor.detach() for name, tensor in self.source}
 
@@ -383,7 +511,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         each chunk as soon as ``_fill`` has packed it."""
         assert self.publisher is not None
         nbytes = plan(weights, self.version, self.dtype).nbytes  # layout only (no copy)
-        packed = plan(weights, self.version, self.dtype, self.publisher.spare_buffer(nbytes))
+        metadata = {} if self.adapter is None else self.adapter.metadata()
+        packed = plan(weights, self.version, self.dtype, self.publisher.spare_buffer(nbytes),
+                      metadata)
         self.publisher.publish(packed)
         return packed
 
@@ -445,7 +575,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats)}
 
     def send_weights(self) -> None:
-        """Send this round's weights, then have every vLLM worker load that version."""
+        """Send this round's weights, then have every vLLM worker load that version (in
+        adapter mode: have every server answer the adapter's name with it)."""
         weights = self._materialise()
         if not self.is_sender:
             return
@@ -458,17 +589,26 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 if index in self._needs_init:
                     self._init_server(index, client)
                     self._needs_init.discard(index)
-                client.start_weight_update()
-                client.update_weights({"version": version})
-                client.finish_weight_update(weight_version=str(version))
+                self._update_server(index, client, version)
 
             self._each_server("update", update, lambda: self._fill(packed, weights))
             return
         assert self.sender is not None
-        self.version = self.sender.update_weights(weights)
-        self.client.start_weight_update()
-        self.client.update_weights({"version": self.version})
-        self.client.finish_weight_update(weight_version=str(self.version))
+        self.version = self.sender.update_weights(None if self.adapter is not None else weights)
+        self._update_server(0, self.client, self.version)
+
+    def _update_server(self, index: int, client: Any, version: int) -> None:
+        """vLLM's update calls for one server; an adapter is pointed at before the version
+        label is set, so the label never names a version the adapter's name does not serve."""
+        client.start_weight_update()
+        client.update_weights({"version": version})
+        try:
+            self._load_adapter(index, client)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.finish_weight_update()  # end the server's update session, unlabelled
+            raise
+        client.finish_weight_update(weight_version=str(version))
 
     def shutdown(self) -> None:
         if self.sender is not None:

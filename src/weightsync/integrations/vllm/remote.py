@@ -58,6 +58,7 @@ class HostReceiver:
         self.scheme = VLLMDoubleBufferSyncScheme(directory, num_workers=num_workers, timeout=timeout)
         self.sender: VLLMDoubleBufferWeightSender | None = None
         self.fetcher = VersionFetcher(name)
+        self.version = -1  # the trainer's number of the version staged last
 
     def stage(self, address: str, token: str, want: int | None, key: str, timeout: float) -> int:
         """Fetch ``want`` (None: the trainer's current version), commit it locally and
@@ -69,11 +70,14 @@ class HostReceiver:
             if self.sender is None:
                 self.sender = self.scheme.create_sender()
                 self.sender.register_model(tensors)
+            writer: Any = self.sender.writer
+            writer.slot_metadata = dict(packed.metadata)  # a LoRA adapter's name and config
             local = int(self.sender.update_weights(tensors, timeout=timeout))
         except Exception as exc:
             self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
             raise
         self._status({"key": key, "local": local, "version": packed.version})
+        self.version = packed.version
         return local
 
     def _status(self, status: dict[str, Any]) -> None:

@@ -13,7 +13,13 @@ import torch
 from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
 from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaDecoder, header_problem
 from weightsync.transports.net.handshake import prove_to_trainer
-from weightsync.transports.net.packed import PackedVersion, chunk_count, layout_fingerprint, parse_header
+from weightsync.transports.net.packed import (
+    PackedVersion,
+    chunk_count,
+    layout_fingerprint,
+    parse_header,
+    parse_metadata,
+)
 from weightsync.transports.net.wire import (
     CHUNK_BYTES,
     CHUNK_HEADER,
@@ -79,6 +85,7 @@ class VersionFetcher:
             raise WeightSyncError(f"host {self.name}: the trainer at {address} refused: "
                                   f"{header['error']}")
         version, session, entries, nbytes = parse_header(header, MAX_VERSION_BYTES)
+        metadata = parse_metadata(header)
         based = header.get("base")
         if based is not None and (base is None or based != base.version
                                   or session != self.base_session
@@ -118,7 +125,7 @@ class VersionFetcher:
                     f"host {self.name}: chunk {index} of version {version} (sent {name}) "
                     f"differs from the trainer's checksum; the version is refused and this "
                     f"host keeps the one it held")
-        packed = PackedVersion(version, entries, out)
+        packed = PackedVersion(version, entries, out, metadata=metadata)
         if base is not None:
             self._spare = base.buffer  # callers are done with a version once they fetch again
         self.base, self.base_session, self.last_kinds = packed, session, kinds
