@@ -5,6 +5,7 @@ prefix cache, while the base model answers as always."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from vllm_lora_serve import ADAPTER, LORA_SERVE_ARGS, LORA_SERVE_ENV, PROMPTS, a
 from vllm_server import VLLMServer, greedy
 
 from weightsync.core.errors import BaseWeightChangedError
+from weightsync.integrations.vllm.served_adapters import AdapterFiles
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -36,21 +38,29 @@ def server() -> Iterator[VLLMServer]:
     finally:
         served.stop()
         shutil.rmtree(work, ignore_errors=True)
+    # vLLM kills its workers at exit: the next server on the host removes what they left
+    AdapterFiles(f"/dev/shm/ws-next-server-{os.getpid()}", "policy", max_rank=8, keep=1).close()
+    left = [path for path in STAGED if os.path.exists(path)]
+    assert left == [], f"adapter files of a server gone, left behind: {left}"
 
 
-def _client(server: VLLMServer):
+STAGED: list[str] = []  # every adapter directory the server was given
+
+
+def _engine(model, server: VLLMServer, **info):
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    return HTTPVLLMWeightSyncClient(server.url, timeout=120)
+    engine = adapter_engine(model, HTTPVLLMWeightSyncClient(server.url, timeout=120), **info)
+    STAGED.extend(engine._adapter_dirs.values())
+    return engine
 
 
 def test_the_stable_name_serves_every_adapter_version(server: VLLMServer, directory: Path):
     model = vm.peft_model()
-    engine = adapter_engine(model, _client(server), directory=str(directory), dtype="bfloat16",
-                            adapter_keep=2)
+    engine = _engine(model, server, directory=str(directory), dtype="bfloat16", adapter_keep=2)
     try:
         check_versions(server, engine, model, [1, 2, 3], torch.bfloat16)
-        staged = sorted(p.name for p in Path(engine._adapter_dirs[0]).iterdir())
+        staged = sorted(p.name for p in Path(engine._adapter_dirs[0]).glob("policy-v*"))
         assert staged == ["policy-v2", "policy-v3"]  # the newest adapter_keep versions
     finally:
         engine.shutdown()
@@ -59,7 +69,7 @@ def test_the_stable_name_serves_every_adapter_version(server: VLLMServer, direct
 def test_a_changed_base_weight_is_refused_and_the_served_version_kept(
         server: VLLMServer, directory: Path):
     model = vm.peft_model()
-    engine = adapter_engine(model, _client(server), directory=str(directory))
+    engine = _engine(model, server, directory=str(directory))
     try:
         vm.set_adapter(model, 5)
         engine.send_weights()

@@ -4,7 +4,9 @@ Server side (:class:`AdapterFiles`): the host's first rank copies each adapter v
 read from a double-buffer directory (the trainer's on one host; this host's staging
 directory on the network path) under the slot's read lock and verified by checksum, into
 its own directory ``<adapter_dir>/<name>-v<version>``. The trainer then points the stable
-name at it through vLLM's ``/v1/load_lora_adapter`` (:func:`load_on_server`).
+name at it through vLLM's ``/v1/load_lora_adapter`` (:func:`load_on_server`). The
+directory goes with the server's process; one left by a killed process is removed by the
+next server that starts on the host.
 
 Why a new path per version under one name: vLLM keys prefix-cache blocks by the LoRA's
 name *and path*, so a new path never reuses a block computed with another version, while
@@ -16,23 +18,27 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import stat
 import time
+from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import UnsafeDirectoryError, WeightSyncError, WeightSyncTimeoutError
 from weightsync.integrations.vllm.adapters import stage_adapter
-from weightsync.transports.directory.files import DEFAULT_FILE_MODE
+from weightsync.transports.directory.files import DEFAULT_FILE_MODE, write_json_atomic
 from weightsync.transports.directory.reader import DirectoryReader
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.005
+#: in each server's adapter directory: the process that owns it (pid and start time)
+OWNER = "owner.json"
 
 
 def version_path(adapter_dir: str, name: str, version: int) -> str:
@@ -59,12 +65,54 @@ def _private_directory(path: Path) -> Path:
     return path
 
 
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), None if it is gone or a
+    zombie: a pid alone may be reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
+
+
+def _this_process() -> dict[str, Any]:
+    return {"pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _sweep_orphans(parent: Path) -> None:
+    """Remove the adapter directories under ``parent`` whose server process is gone (vLLM
+    kills its workers at exit, before any clean-up of theirs can run): private
+    directories of this user that hold an owner file naming a dead process."""
+    if not os.path.isdir("/proc/self"):
+        return  # no way to tell a live owner from a dead one: leave them
+    for entry in parent.iterdir():
+        try:
+            info = os.lstat(entry)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
+                    or stat.S_IMODE(info.st_mode) & 0o077:
+                continue
+            owner = json.loads((entry / OWNER).read_text())
+            alive = _start_time(int(owner["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not one of these directories, or one being made
+        if alive is None or alive != owner.get("start"):
+            shutil.rmtree(entry, ignore_errors=True)
+            logger.info("removed %s, left by a server process that is gone", entry)
+
+
 class AdapterFiles:
     """One server's adapter versions on its host: staged under ``adapter_dir`` for vLLM to
     load, the newest ``keep`` kept."""
 
     def __init__(self, adapter_dir: str, name: str, max_rank: int, keep: int) -> None:
         self.root = _private_directory(Path(adapter_dir))
+        _sweep_orphans(self.root.parent)
+        write_json_atomic(self.root / OWNER, _this_process(), mode=0o600, durable=False)
+        # removed with this object or when the process exits (vLLM reads none after that);
+        # a worker killed at the server's exit leaves it to the next server's sweep
+        self._removal = Finalize(self, shutil.rmtree, args=(str(self.root), True),
+                                 exitpriority=0)
         self.name = name
         self.max_rank = max_rank
         self.keep = keep
@@ -122,7 +170,7 @@ class AdapterFiles:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
-        shutil.rmtree(self.root, ignore_errors=True)
+        self._removal()
 
 
 def load_on_server(client: Any, name: str, path: str, timeout: float) -> None:
