@@ -77,3 +77,26 @@ def test_adapter_versions_reach_a_server_on_another_host(server: VLLMServer):
         assert not os.path.exists(engine._adapter_dirs[0])
     finally:
         engine.shutdown()
+
+
+def test_tensor_parallel_2_stages_each_adapter_version_once(hosts: TwoHostCluster,
+                                                            server: VLLMServer):
+    """``--tensor-parallel-size 2``: the host's rank 0 fetches and stages each version once;
+    vLLM's LoRA loader reads it on both ranks, and the stable name answers exactly."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    tp = VLLMServer(server.model_dir, host=ADDRESS_B, port=8002, netns=hosts.ns_b,
+                    extra=(*LORA_SERVE_ARGS, "--tensor-parallel-size", "2"),
+                    env={**LORA_SERVE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        tp.start().wait_ready()
+        model = vm.peft_model()
+        engine = adapter_engine(model, HTTPVLLMWeightSyncClient(tp.url, timeout=120),
+                                address=f"{ADDRESS_A}:0", dtype="bfloat16")
+        try:
+            check_versions(tp, engine, model, [1, 2], torch.bfloat16)
+            assert all(len(v["hosts"]) == 1 for v in engine.stats()["versions"])  # once a host
+        finally:
+            engine.shutdown()
+    finally:
+        tp.stop()
