@@ -117,3 +117,25 @@ def test_a_client_that_cannot_load_adapters_is_named():
     assert calls == [("policy", "/dev/shm/x/policy-v3")]
     with pytest.raises(TypeError, match="neither load_lora_adapter"):
         load_on_server(object(), "policy", "/dev/shm/x/policy-v3", 5)
+
+
+def test_the_trainer_engine_refuses_what_cannot_serve_an_adapter(tmp_path: Path):
+    """Before anything is written or sent: a model that is not a peft model, and a client
+    that cannot point a name at an adapter."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm.backend import WeightSyncTrainerInitInfo
+
+    class NoLoader:
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            raise AssertionError("nothing may reach the server")
+
+    info = WeightSyncTrainerInitInfo(rank=0, directory=str(tmp_path), adapter="policy")
+    with pytest.raises(TypeError, match="needs a peft model"):
+        WeightTransferTrainerFactory.trainer_init(info, client=NoLoader(),
+                                                  source=ModuleSource(vm.build_model()))
+    with pytest.raises(TypeError, match="neither load_lora_adapter"):
+        WeightTransferTrainerFactory.trainer_init(info, client=NoLoader(),
+                                                  source=ModuleSource(vm.peft_model()))
+    assert list(tmp_path.iterdir()) == []

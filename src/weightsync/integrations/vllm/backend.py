@@ -446,6 +446,12 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         each server's host gets a private directory of its own for the versions."""
         model = getattr(source, "_module", source)  # ModuleSource keeps its module there
         self.adapter = LoraAdapter(model, init_info.adapter)
+        for client in self.clients:
+            if not hasattr(client, "load_lora_adapter") and getattr(client, "base_url", None) is None:
+                raise TypeError(f"adapter={init_info.adapter!r} needs clients that can load an "
+                                f"adapter on their server: {type(client).__name__} has neither "
+                                "load_lora_adapter(name, path) nor an HTTP base_url (use "
+                                "HTTPVLLMWeightSyncClient)")
         if not os.path.isabs(init_info.adapter_root):
             raise ValueError(f"adapter_root must be an absolute path on the servers' hosts, "
                              f"got {init_info.adapter_root!r}")
