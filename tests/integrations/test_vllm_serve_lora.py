@@ -66,6 +66,16 @@ def test_the_stable_name_serves_every_adapter_version(server: VLLMServer, direct
         engine.shutdown()
 
 
+def test_swap_mode_serves_every_version_too(server: VLLMServer, directory: Path):
+    """``adapter_load="swap"`` (unload, then a plain load: no re-reads at each step)."""
+    model = vm.peft_model()
+    engine = _engine(model, server, directory=str(directory), adapter_load="swap")
+    try:
+        check_versions(server, engine, model, [7, 8], None)
+    finally:
+        engine.shutdown()
+
+
 def test_a_changed_base_weight_is_refused_and_the_served_version_kept(
         server: VLLMServer, directory: Path):
     model = vm.peft_model()

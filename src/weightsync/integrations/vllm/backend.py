@@ -59,7 +59,12 @@ from weightsync.integrations.vllm.remote import (
     staging_directory,
     wait_staged,
 )
-from weightsync.integrations.vllm.served_adapters import AdapterFiles, load_on_server, version_path
+from weightsync.integrations.vllm.served_adapters import (
+    LOAD_MODES,
+    AdapterFiles,
+    load_on_server,
+    version_path,
+)
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
@@ -359,7 +364,9 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     ``adapter``: send only the active LoRA adapter of the source's peft model, served by
     each ``vllm serve --enable-lora`` under this one name, a new version at each
     ``send_weights()``; each server's host keeps the newest ``adapter_keep`` versions' files
-    in a private directory under ``adapter_root`` (a directory on the servers' hosts)."""
+    in a private directory under ``adapter_root`` (a directory on the servers' hosts);
+    ``adapter_load``: how the name moves to each version, ``"inplace"`` or ``"swap"``
+    (``served_adapters.load_on_server``)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = ""
@@ -371,6 +378,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     adapter: str = ""
     adapter_root: str = "/dev/shm"
     adapter_keep: int = 4
+    adapter_load: str = "inplace"
 
 
 def _server_name(client: Any) -> str:
@@ -404,6 +412,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.adapter: LoraAdapter | None = None  # adapter mode: only this adapter travels
         self._adapter_init: dict[str, Any] = {}
         self._adapter_dirs: dict[int, str] = {}  # per server: where its host keeps versions
+        self._adapter_load = "inplace"
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -444,6 +453,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     def _start_adapter(self, init_info: WeightSyncTrainerInitInfo, source: WeightSource) -> None:
         """Adapter mode: the source must be a peft model's (``ModuleSource(peft_model)``);
         each server's host gets a private directory of its own for the versions."""
+        if init_info.adapter_load not in LOAD_MODES:
+            raise ValueError(f"adapter_load must be one of {LOAD_MODES}, got "
+                             f"{init_info.adapter_load!r}")
+        self._adapter_load = init_info.adapter_load
         model = getattr(source, "_module", source)  # ModuleSource keeps its module there
         self.adapter = LoraAdapter(model, init_info.adapter)
         for client in self.clients:
@@ -473,7 +486,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if self.adapter is None:
             return
         path = version_path(self._adapter_dirs[index], self.adapter.name, self.version)
-        load_on_server(client, self.adapter.name, path, self.timeout)
+        load_on_server(client, self.adapter.name, path, self.timeout, self._adapter_load)
 
     def _start_network(self, init_info: WeightSyncTrainerInitInfo,
                        weights: dict[str, torch.Tensor]) -> None:
