@@ -172,6 +172,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.host: HostReceiver | None = None  # this host's one receiver (local rank 0)
         self.adapter: WeightSyncInitInfo | None = None  # the session, when it serves an adapter
         self.adapter_files: AdapterFiles | None = None  # its files (local rank 0 writes them)
+        self.retired_files: list[AdapterFiles] = []  # an earlier session's, still named
         engine_id = f"{getattr(self.vllm_config, 'instance_id', '')}/{os.getppid()}"
         self.staging = staging_directory(engine_id)
         self.host_label = host_name(engine_id)
@@ -239,6 +240,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             return  # one copy of the files per host
         files = self.adapter_files
         if files is None or str(files.root) != init_info.adapter_dir:
+            if files is not None:  # vLLM serves from them until the new session's first load
+                self.retired_files.append(files)
             files = self.adapter_files = AdapterFiles(
                 init_info.adapter_dir, init_info.adapter, int(lora_config.max_lora_rank),
                 init_info.adapter_keep)
@@ -262,6 +265,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         files = self.adapter_files
         if files is None:
             return
+        while self.retired_files:  # the name left them at this session's init
+            self.retired_files.pop().close()
         timeout = session.timeout if timeout is None else timeout
         if not session.address:
             files.stage(session.directory, timeout, expect=version)
