@@ -15,7 +15,16 @@ import pytest
 import torch
 import vllm_model as vm
 from vllm_engine import vllm_or_skip
-from vllm_lora_serve import ADAPTER, LORA_SERVE_ARGS, LORA_SERVE_ENV, PROMPTS, adapter_engine, check_versions
+from vllm_lora_serve import (
+    ADAPTER,
+    LONG_PROMPT,
+    LORA_SERVE_ARGS,
+    LORA_SERVE_ENV,
+    PROMPTS,
+    adapter_engine,
+    check_versions,
+    merged_greedy,
+)
 from vllm_server import VLLMServer, greedy
 
 from weightsync.core.errors import BaseWeightChangedError
@@ -74,6 +83,41 @@ def test_swap_mode_serves_every_version_too(server: VLLMServer, directory: Path)
         check_versions(server, engine, model, [7, 8], None)
     finally:
         engine.shutdown()
+
+
+def test_the_checks_see_a_stale_prefix_cache(server: VLLMServer, directory: Path, tmp_path: Path):
+    """Why a new path per version: changed weights reloaded in place at the *same* path
+    answer the cached long prompt with neither version's tokens (vLLM keys blocks by name
+    and path), while the stable name, moved to a new path, answers exactly."""
+    import requests
+
+    model = vm.peft_model()
+    engine = _engine(model, server, directory=str(directory))
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+
+    def load_fixed(version: int) -> list[list[int]]:
+        for part in Path(engine._adapter_dirs[0], f"policy-v{version}").iterdir():
+            shutil.copy(part, fixed / part.name)
+        reply = requests.post(f"{server.url}/v1/load_lora_adapter", timeout=60, json={
+            "lora_name": "fixed", "lora_path": str(fixed), "load_inplace": True})
+        assert reply.status_code == 200, reply.text
+        return greedy(server, "fixed", [LONG_PROMPT])
+
+    try:
+        expected = {}
+        for step in (1, 2):
+            vm.set_adapter(model, step)
+            engine.send_weights()
+            expected[step] = merged_greedy(model, None)[-1:]
+        assert load_fixed(1) == expected[1]
+        stale = load_fixed(2)
+        assert stale != expected[2] and stale != expected[1]
+        assert greedy(server, ADAPTER, [LONG_PROMPT]) == expected[2]
+    finally:
+        engine.shutdown()
+        requests.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "fixed"},
+                      timeout=60)
 
 
 def test_a_changed_base_weight_is_refused_and_the_served_version_kept(
