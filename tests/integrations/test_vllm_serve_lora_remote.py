@@ -73,6 +73,8 @@ def test_adapter_versions_reach_a_server_on_another_host(server: VLLMServer):
         check_versions(server, engine, model, [1, 2, 3], torch.bfloat16)
         for version in engine.stats()["versions"]:
             assert version["failed"] == {} and version["wire_bytes"] < whole + 64 * 1024
+            print(f"adapter version {version['version']} ({version['call']}): "
+                  f"{version['wire_bytes']} bytes on the wire, {version['seconds']:.3f} s")
         # the versions live on the server's host only: nothing shared with the trainer's
         assert not os.path.exists(engine._adapter_dirs[0])
     finally:
