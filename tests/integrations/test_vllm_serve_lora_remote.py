@@ -16,7 +16,14 @@ import pytest
 import torch
 import vllm_model as vm
 from vllm_engine import vllm_or_skip
-from vllm_lora_serve import LORA_SERVE_ARGS, LORA_SERVE_ENV, adapter_engine, check_versions
+from vllm_lora_serve import (
+    LORA_SERVE_ARGS,
+    LORA_SERVE_ENV,
+    PROMPTS,
+    adapter_engine,
+    check_versions,
+    merged_greedy,
+)
 from vllm_server import VLLMServer
 
 from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster, two_host_network
@@ -102,3 +109,24 @@ def test_tensor_parallel_2_stages_each_adapter_version_once(hosts: TwoHostCluste
             engine.shutdown()
     finally:
         tp.stop()
+
+
+def test_a_trainer_killed_mid_version_leaves_the_name_on_its_last_version(
+        hosts: TwoHostCluster, server: VLLMServer):
+    import signal
+    import subprocess
+    import sys
+
+    from vllm_server import SRC, greedy
+
+    env = os.environ | vm.ENGINE_ENV | {
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), SRC])}
+    script = os.path.join(os.path.dirname(__file__), "vllm_remote_lora_trainer.py")
+    done = subprocess.run(["ip", "netns", "exec", hosts.ns_a, sys.executable, script, server.url,
+                           f"{ADDRESS_A}:0"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:] + server.log(20000)
+    assert done.stdout.strip() == "sent"
+    expected = vm.peft_model()
+    vm.set_adapter(expected, 1)
+    assert server.weight_version() == "1"  # version 2 never finished
+    assert greedy(server, "policy", PROMPTS) == merged_greedy(expected, None)

@@ -248,8 +248,12 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         if not init_info.address:
             files.stage(init_info.directory, init_info.timeout)
             return
-        if self.host is None:
-            self.host = HostReceiver(self.staging, 1, self.host_label, init_info.timeout)
+        # a fresh staging directory per init: another trainer session may send another
+        # layout (dtype, rank), and the staged slots only carry versions to the files
+        if self.host is not None:
+            self.host.close()
+        files.forget(self.staging)
+        self.host = HostReceiver(self.staging, 1, self.host_label, init_info.timeout)
         key = request_key(init_info.token, f"init/{init_info.ticket}")
         local = self.host.stage(init_info.address, init_info.token, None, key, init_info.timeout)
         files.stage(self.staging, init_info.timeout, expect=local, label=self.host.version)

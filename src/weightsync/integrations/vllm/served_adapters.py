@@ -157,6 +157,12 @@ class AdapterFiles:
         logger.info("adapter %s version %d staged at %s", name, self.version, path)
         return path
 
+    def forget(self, directory: str | Path) -> None:
+        """Drop the reader of ``directory`` (it is about to be made again)."""
+        reader = self._readers.pop(str(directory), None)
+        if reader is not None:
+            reader.close()
+
     def _prune(self) -> None:
         """Remove all but the newest ``keep`` versions' directories."""
         prefix = f"{self.name}-v"
