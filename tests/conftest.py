@@ -128,6 +128,8 @@ def _single_thread_torch() -> None:
 FULL_TIER: tuple[str, ...] = (
     "tests/torchrl_compat/",
     "tests/integrations/test_vllm_serve_remote.py",
+    "tests/integrations/test_vllm_serve_lora.py",
+    "tests/integrations/test_vllm_serve_lora_remote.py",
     "tests/schemes/test_ray_multihost.py",
     "tests/schemes/test_ray_delta_multihost.py",
     "tests/integrations/test_torchrl_ray_multihost.py",

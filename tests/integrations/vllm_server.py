@@ -9,6 +9,8 @@ import vllm_model as vm
 from weightsync.bench.vllm_server import SRC, VLLMServer, free_port  # noqa: F401
 
 
-def greedy(server: Any) -> list[list[int]]:
-    """The server's greedy continuation of the tests' prompts."""
-    return server.greedy(vm.PROMPTS, vm.NEW_TOKENS)
+def greedy(server: Any, model: str | None = None,
+           prompts: list[list[int]] = vm.PROMPTS) -> list[list[int]]:
+    """The server's greedy continuation of the tests' prompts (from ``model``, a LoRA
+    adapter's name; default: the base model)."""
+    return server.greedy(prompts, vm.NEW_TOKENS, model)

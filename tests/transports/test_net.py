@@ -72,6 +72,24 @@ def test_a_host_without_the_base_gets_whole_chunks(publisher: VersionPublisher):
     assert fresh.last_kinds == {"whole": 2}
 
 
+def test_metadata_travels_with_the_version_and_is_checked(publisher: VersionPublisher):
+    """A LoRA adapter's name and config ride in the version header (what a directory slot's
+    header carries); anything but strings by name is a protocol error."""
+    from weightsync.transports.net.packed import parse_metadata, plan
+    from weightsync.transports.net.wire import ProtocolError
+
+    meta = {"weightsync.adapter": "policy", "weightsync.adapter_config": '{"r": 8}'}
+    packed = plan(_weights(), 0, torch.bfloat16, metadata=meta)
+    packed.fill(_weights())
+    publisher.publish(packed)
+    got = VersionFetcher("host-b").fetch(publisher.address, "secret-token", None, 10)
+    assert got.metadata == meta
+    _equal(got, _weights())
+    assert parse_metadata({}) == {}
+    with pytest.raises(ProtocolError, match="metadata"):
+        parse_metadata({"metadata": {"r": 8}})
+
+
 def test_a_wrong_token_is_refused_both_ways(publisher: VersionPublisher):
     publisher.publish(pack(_weights(), 0))
     with pytest.raises(SenderLostError, match="wrong token|closed"):

@@ -109,14 +109,16 @@ class VLLMServer:
         except OSError:
             return ""
 
-    def greedy(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        """The server's greedy continuation of each prompt (token ids)."""
+    def greedy(self, prompts: list[list[int]], new_tokens: int,
+               model: str | None = None) -> list[list[int]]:
+        """The server's greedy continuation of each prompt (token ids), from ``model`` (a
+        LoRA adapter's name; default: the base model)."""
         import requests
 
         out = []
         for prompt in prompts:
             reply = requests.post(f"{self.url}/v1/completions", timeout=60, json={
-                "model": self.model_dir, "prompt": prompt, "max_tokens": new_tokens,
+                "model": model or self.model_dir, "prompt": prompt, "max_tokens": new_tokens,
                 "temperature": 0.0, "return_token_ids": True,
             })
             reply.raise_for_status()

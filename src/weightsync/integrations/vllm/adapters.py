@@ -146,8 +146,11 @@ def update_adapter(llm: Any, directory: str, *, timeout: float = 60.0, keep: int
                 if current is not None:
                     reader.ack(commit.version)
                     return current.request
-                staged = _stage(reader, state.files, commit, int(lora_config.max_lora_rank),
-                                state.next_id)
+                # named by the LoRA id too: one directory per load, never shared nor reused
+                # (two trainers may both call their adapter "policy"); vLLM's prefix cache
+                # keys on the path as well as the name, so no cached block crosses two loads
+                staged = stage_adapter(reader, state.files, commit, int(lora_config.max_lora_rank),
+                                       f"v{commit.version}.{state.next_id}")
                 if staged is not None:
                     break
             if deadline.expired():
@@ -179,11 +182,13 @@ def _lora_request(name: str, lora_id: int, path: str) -> Any:
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
 
 
-def _stage(reader: DirectoryReader, files: Path, commit: Commit, max_rank: int,
-           lora_id: int) -> tuple[str, Path] | None:
-    """Copy ``commit``'s slot, under its read lock and verified, into a new directory for
-    LoRA id ``lora_id``; returns (adapter name, directory), or None if the slot is busy or
-    the version left it (the caller reads the manifest again)."""
+def stage_adapter(reader: DirectoryReader, files: Path, commit: Commit, max_rank: int,
+                  label: str) -> tuple[str, Path] | None:
+    """Copy ``commit``'s slot, under its read lock and verified, into the new directory
+    ``files/<adapter name>-<label>`` (kept as it is if it exists: one label, one version);
+    returns (adapter name, directory), or None if the slot is busy or the version left it
+    (the caller reads the manifest again). An adapter above ``max_rank`` raises
+    ``AdapterRankError`` before anything is copied."""
     with reader.locked(commit) as slot:
         if slot is None:
             return None
@@ -194,10 +199,10 @@ def _stage(reader: DirectoryReader, files: Path, commit: Commit, max_rank: int,
                 f"adapter {name} version {commit.version} has rank {rank}, above the engine's "
                 f"max_lora_rank={max_rank}: start vLLM with max_lora_rank >= {rank} (nothing "
                 "was loaded)", rank=rank, max_rank=max_rank)
-        # named by the LoRA id too: one directory per load, never shared nor reused (two
-        # trainers may both call their adapter "policy"); vLLM's prefix cache keys on the
-        # path as well as the name, so no cached block crosses two loads either
-        return name, _copy_version(files, f"{name}-v{commit.version}.{lora_id}", slot, config)
+        final = files / f"{name}-{label}"
+        if final.is_dir() and not final.is_symlink():
+            return name, final
+        return name, _copy_version(files, final.name, slot, config)
 
 
 def _adapter_of(slot: SlotFile, version: int) -> tuple[str, dict[str, Any]]:

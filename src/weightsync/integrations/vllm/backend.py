@@ -60,11 +60,18 @@ from weightsync.integrations.vllm.remote import (
     staging_directory,
     wait_staged,
 )
+from weightsync.integrations.vllm.served_adapters import (
+    LOAD_MODES,
+    AdapterFiles,
+    load_on_server,
+    version_path,
+)
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
     VLLMDoubleBufferWeightSender,
 )
+from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.ranks import MAX_TRAINER_RANKS, checked_trainer_ranks, trainer_rank
 from weightsync.transports.delta.codec import check_available as check_delta_available
 from weightsync.transports.net.packed import PackedVersion, plan
@@ -96,9 +103,18 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     ticket: str = ""
     #: a sharded trainer: every rank's HOST:PORT, rank by rank (``address`` is rank 0's)
     addresses: list[str] = field(default_factory=list)
+    adapter: str = ""  # a LoRA adapter's versions, not full weights (vllm serve --enable-lora)
+    adapter_dir: str = ""  # where this server's host keeps them (the trainer names it)
+    adapter_keep: int = 4
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
+        if self.adapter:
+            check_adapter_name(self.adapter)
+            if not os.path.isabs(self.adapter_dir):
+                raise ValueError("init_info with 'adapter' needs 'adapter_dir', an absolute "
+                                 "path on the server's host (the trainer engine sends it)")
+            self.adapter_keep = checked_int(self.adapter_keep, "init_info adapter_keep", 1)
         if bool(self.directory) == bool(self.address):
             raise ValueError("init_info needs exactly one of 'directory' (a directory both "
                              "sides see) and 'address' (the trainer's HOST:PORT)")
@@ -174,6 +190,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.receiver: VLLMDoubleBufferWeightReceiver | None = None
         self.remote: WeightSyncInitInfo | None = None  # the network path's session
         self.host: HostReceiver | None = None  # this host's one receiver (local rank 0)
+        self.adapter: WeightSyncInitInfo | None = None  # the session, when it serves an adapter
+        self.adapter_files: AdapterFiles | None = None  # its files (local rank 0 writes them)
+        self.retired_files: list[AdapterFiles] = []  # an earlier session's, still named
         engine_id = f"{getattr(self.vllm_config, 'instance_id', '')}/{os.getppid()}"
         self.staging = staging_directory(engine_id)
         self.host_label = host_name(engine_id)
@@ -190,6 +209,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         network path, first have this host's receiver fetch the trainer's current version
         into the host-local staging directory."""
         self.shutdown()
+        if init_info.adapter:
+            self._init_adapter(init_info)
+            return
         idx = self.worker_idx
         directory, num_workers, local = init_info.directory, init_info.num_workers, None
         if init_info.address:
@@ -222,13 +244,70 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
                     receiver.version)
 
+    def _init_adapter(self, init_info: WeightSyncInitInfo) -> None:
+        """A LoRA adapter's versions: the base weights stay as served; this host's first
+        rank stages the trainer's current adapter version for vLLM's LoRA loader (every
+        rank loads it from there when the trainer points the adapter's name at it)."""
+        lora_config = getattr(self.vllm_config, "lora_config", None)
+        if lora_config is None:
+            raise WeightSyncError(
+                f"vLLM worker {self.worker_idx} on {self.host_label}: the trainer sends LoRA "
+                f"adapter {init_info.adapter!r}, but this server has LoRA off: start it with "
+                "--enable-lora --max-lora-rank R (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+        self.adapter = init_info
+        self.remote = init_info if init_info.address else None
+        if not _is_host_receiver():
+            return  # one copy of the files per host
+        files = self.adapter_files
+        if files is None or str(files.root) != init_info.adapter_dir:
+            if files is not None:  # vLLM serves from them until the new session's first load
+                self.retired_files.append(files)
+            files = self.adapter_files = AdapterFiles(
+                init_info.adapter_dir, init_info.adapter, int(lora_config.max_lora_rank),
+                init_info.adapter_keep)
+        if not init_info.address:
+            files.stage(init_info.directory, init_info.timeout)
+            return
+        # a fresh staging directory per init: another trainer session may send another
+        # layout (dtype, rank), and the staged slots only carry versions to the files
+        if self.host is not None:
+            self.host.close()
+        files.forget(self.staging)
+        self.host = HostReceiver(self.staging, 1, self.host_label, init_info.timeout)
+        key = request_key(init_info.token, f"init/{init_info.ticket}")
+        local = self.host.stage(init_info.address, init_info.token, None, key, init_info.timeout)
+        files.stage(self.staging, init_info.timeout, expect=local, label=self.host.version)
+
+    def _receive_adapter(self, version: int | None, timeout: float | None) -> None:
+        """Stage adapter version ``version`` on this host (its first rank; the others have
+        nothing to do: vLLM's LoRA loader reads the staged files on every rank)."""
+        session = self.adapter
+        assert session is not None
+        if version is None:
+            raise ValueError("a LoRA adapter update needs update_info {'version': v} (the "
+                             "weightsync trainer engine sends it)")
+        files = self.adapter_files
+        if files is None:
+            return
+        while self.retired_files:  # the name left them at this session's init
+            self.retired_files.pop().close()
+        timeout = session.timeout if timeout is None else timeout
+        if not session.address:
+            files.stage(session.directory, timeout, expect=version)
+            return
+        assert self.host is not None
+        key = request_key(session.token, f"version/{version}")
+        local = self.host.stage(session.address, session.token, version, key, timeout)
+        files.stage(self.staging, timeout, expect=local, label=version)
+
     def _local_ranks(self) -> int:
         """The ranks that load from this host's staging directory (an engine on one host)."""
         return max(int(getattr(self.parallel_config, "world_size", 1) or 1), 1)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
-        self._receiver()
+        if self.adapter is None:
+            self._receiver()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load the named version (no device synchronisation is needed on CPU)."""
@@ -237,6 +316,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        if self.adapter is not None:
+            self._receive_adapter(update_info.version, update_info.timeout)
+            return
         receiver = self._receiver()
         version = update_info.version
         if self.remote is not None:
@@ -276,16 +358,20 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             self.receiver.close()
             self.receiver = None
         self.remote = None
+        self.adapter = None  # its staged files stay: vLLM may read them again
 
     def __del__(self) -> None:
-        host = getattr(self, "host", None)
-        if host is not None:
-            with contextlib.suppress(Exception):
-                host.close()
+        for owned in (getattr(self, "host", None), getattr(self, "adapter_files", None)):
+            if owned is not None:
+                with contextlib.suppress(Exception):
+                    owned.close()
 
     @property
     def version(self) -> int:
-        """The version this worker holds (-1 before ``init_weight_transfer_engine``)."""
+        """The version this worker holds (-1 before ``init_weight_transfer_engine``; with an
+        adapter, the one this host staged last)."""
+        if self.adapter_files is not None:
+            return self.adapter_files.version
         return -1 if self.receiver is None else self.receiver.version
 
     def _receiver(self) -> VLLMDoubleBufferWeightReceiver:
@@ -302,7 +388,14 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """Trainer side: where versions go (``directory``, on one host; or ``address``,
     ``HOST:PORT`` where the trainer listens for its servers' hosts), in which dtype (e.g.
     "bfloat16"), for how many workers; ``delta``: each host gets the difference from the
-    version it holds (network path)."""
+    version it holds (network path).
+
+    ``adapter``: send only the active LoRA adapter of the source's peft model, served by
+    each ``vllm serve --enable-lora`` under this one name, a new version at each
+    ``send_weights()``; each server's host keeps the newest ``adapter_keep`` versions' files
+    in a private directory under ``adapter_root`` (a directory on the servers' hosts);
+    ``adapter_load``: how the name moves to each version, ``"inplace"`` or ``"swap"``
+    (``served_adapters.load_on_server``)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = ""
@@ -320,6 +413,11 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     #: ``HOST:PORT`` where rank 0 meets the other ranks when they run on several hosts
     #: (every rank passes the same); empty: the ranks meet on the trainer's host
     ranks_address: str = ""
+
+    adapter: str = ""
+    adapter_root: str = "/dev/shm"
+    adapter_keep: int = 4
+    adapter_load: str = "inplace"
 
 
 #: where a sharded trainer's ranks find their rank key when ``rank_key`` is not given
@@ -358,6 +456,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.member: NetRankMember | None = None  # rank 1..N-1 of a sharded trainer
         self.addresses: list[str] = []  # every rank's, as the servers were last told
         self._next = 0  # the number of a sharded trainer's next version
+        self.adapter: LoraAdapter | None = None  # adapter mode: only this adapter travels
+        self._adapter_init: dict[str, Any] = {}
+        self._adapter_dirs: dict[int, str] = {}  # per server: where its host keeps versions
+        self._adapter_load = "inplace"
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -369,8 +471,13 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                              "host) and address= (HOST:PORT the servers' hosts can reach)")
         ranks = checked_trainer_ranks(init_info.trainer_ranks)
         if ranks > 1:
+            if init_info.adapter:
+                raise ValueError(f"adapter={init_info.adapter!r} needs one trainer rank (a LoRA "
+                                 f"adapter is small: gather it), got trainer_ranks={ranks}")
             return cls._sharded_init(init_info, ranks, client, source)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if init_info.adapter:
+            engine._start_adapter(init_info, source)
         weights = engine._materialise()
         if not engine.is_sender:
             return engine
@@ -379,15 +486,21 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if init_info.address:
             engine._start_network(init_info, weights)
             return engine
-        scheme = VLLMDoubleBufferSyncScheme(init_info.directory, num_workers=init_info.num_workers,
-                                            timeout=init_info.timeout, dtype=engine.dtype)
+        scheme = VLLMDoubleBufferSyncScheme(
+            init_info.directory, num_workers=1 if init_info.adapter else init_info.num_workers,
+            timeout=init_info.timeout, dtype=engine.dtype, adapter=init_info.adapter or None)
         engine.sender = scheme.create_sender()
-        engine.sender.register_model(weights)
-        engine.version = engine.sender.update_weights(weights)
+        if engine.adapter is not None:
+            engine.sender.register_model(engine.adapter.model)
+            engine.version = engine.sender.update_weights()
+        else:
+            engine.sender.register_model(weights)
+            engine.version = engine.sender.update_weights(weights)
         client.init_weight_transfer_engine({
             "directory": init_info.directory, "timeout": init_info.timeout,
-            "num_workers": init_info.num_workers,
+            "num_workers": init_info.num_workers, **engine._adapter_info(0),
         })
+        engine._load_adapter(0, client)
         return engine
 
     @classmethod
@@ -458,6 +571,44 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             if asked:
                 self._next = version + 1
 
+    def _start_adapter(self, init_info: WeightSyncTrainerInitInfo, source: WeightSource) -> None:
+        """Adapter mode: the source must be a peft model's (``ModuleSource(peft_model)``);
+        each server's host gets a private directory of its own for the versions."""
+        if init_info.adapter_load not in LOAD_MODES:
+            raise ValueError(f"adapter_load must be one of {LOAD_MODES}, got "
+                             f"{init_info.adapter_load!r}")
+        self._adapter_load = init_info.adapter_load
+        model = getattr(source, "_module", source)  # ModuleSource keeps its module there
+        self.adapter = LoraAdapter(model, init_info.adapter)
+        for client in self.clients:
+            if not hasattr(client, "load_lora_adapter") and getattr(client, "base_url", None) is None:
+                raise TypeError(f"adapter={init_info.adapter!r} needs clients that can load an "
+                                f"adapter on their server: {type(client).__name__} has neither "
+                                "load_lora_adapter(name, path) nor an HTTP base_url (use "
+                                "HTTPVLLMWeightSyncClient)")
+        if not os.path.isabs(init_info.adapter_root):
+            raise ValueError(f"adapter_root must be an absolute path on the servers' hosts, "
+                             f"got {init_info.adapter_root!r}")
+        root = init_info.adapter_root.rstrip("/") or "/"
+        self._adapter_dirs = {
+            index: f"{root}/weightsync-{self.adapter.name}-{secrets.token_hex(8)}"
+            for index in range(len(self.clients))}
+        self._adapter_init = {"adapter": self.adapter.name, "adapter_keep": init_info.adapter_keep}
+
+    def _adapter_info(self, index: int) -> dict[str, Any]:
+        """What server ``index``'s init_info carries in adapter mode (nothing otherwise)."""
+        if self.adapter is None:
+            return {}
+        return {**self._adapter_init, "adapter_dir": self._adapter_dirs[index]}
+
+    def _load_adapter(self, index: int, client: Any) -> None:
+        """Adapter mode: point the adapter's name on server ``index`` at the version its
+        host just staged (``/v1/load_lora_adapter``, a new path per version)."""
+        if self.adapter is None:
+            return
+        path = version_path(self._adapter_dirs[index], self.adapter.name, self.version)
+        load_on_server(client, self.adapter.name, path, self.timeout, self._adapter_load)
+
     def _start_network(self, init_info: WeightSyncTrainerInitInfo,
                        weights: dict[str, torch.Tensor]) -> None:
         if init_info.delta:
@@ -467,8 +618,13 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                                           delta=init_info.delta)
         self.version = 0
         packed = self._publish(weights)
+
+        def init(index: int, client: Any) -> None:
+            self._init_server(index, client)
+            self._load_adapter(index, client)
+
         try:
-            self._each_server("init", self._init_server, lambda: self._fill(packed, weights))
+            self._each_server("init", init, lambda: self._fill(packed, weights))
         except BaseException:
             self.shutdown()
             raise
@@ -477,7 +633,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         """Have a server's host fetch the current version and every rank load it (a new or
         restarted server gets it whole)."""
         info: dict[str, Any] = {"address": self._publisher().address, "token": self._token,
-                                "ticket": secrets.token_hex(8), "timeout": self.timeout}
+                                "ticket": secrets.token_hex(8), "timeout": self.timeout,
+                                **self._adapter_info(index)}
         if self.lead is not None:
             info["addresses"] = list(self.addresses)
         client.init_weight_transfer_engine(info)
@@ -489,16 +646,12 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         assert self.publisher is not None
         return self.publisher
 
-    def _update_server(self, index: int, client: Any) -> None:
-        """Have a server load ``self.version`` (initialised again first if it failed)."""
-        if index in self._needs_init:
-            self._init_server(index, client)
-            self._needs_init.discard(index)
-        client.start_weight_update()
-        client.update_weights({"version": self.version})
-        client.finish_weight_update(weight_version=str(self.version))
 
     def _materialise(self) -> dict[str, torch.Tensor]:
+        """This round's tensors: the whole model's, or in adapter mode the adapter's alone
+        (``BaseWeightChangedError`` if a base weight changed since the first round)."""
+        if self.adapter is not None:
+            return self.adapter.tensors()
         assert self.source is not None
         return {name: tensor.detach() for name, tensor in self.source}
 
@@ -507,7 +660,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         each chunk as soon as ``_fill`` has packed it."""
         assert self.publisher is not None
         nbytes = plan(weights, self.version, self.dtype).nbytes  # layout only (no copy)
-        packed = plan(weights, self.version, self.dtype, self.publisher.spare_buffer(nbytes))
+        metadata = {} if self.adapter is None else self.adapter.metadata()
+        packed = plan(weights, self.version, self.dtype, self.publisher.spare_buffer(nbytes),
+                      metadata)
         self.publisher.publish(packed)
         return packed
 
@@ -569,7 +724,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
 
     def send_weights(self) -> None:
         """Send this round's weights, then have every vLLM worker load that version (a
-        sharded trainer: every rank calls it; each sends only its own shards)."""
+        sharded trainer: every rank calls it; each sends only its own shards; in adapter
+        mode: have every server answer the adapter's name with it)."""
         if self.lead is not None or self.member is not None:
             self._send_sharded("update")
             return
@@ -582,10 +738,27 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             self._each_server("update", self._update_server, lambda: self._fill(packed, weights))
             return
         assert self.sender is not None
-        self.version = self.sender.update_weights(weights)
-        self.client.start_weight_update()
-        self.client.update_weights({"version": self.version})
-        self.client.finish_weight_update(weight_version=str(self.version))
+        self.version = self.sender.update_weights(None if self.adapter is not None else weights)
+        self._update_server(0, self.client, self.version)
+
+    def _update_server(self, index: int, client: Any, version: int | None = None) -> None:
+        """vLLM's update calls for server ``index`` (initialised again first if it failed),
+        loading ``version`` (default: this engine's); an adapter is pointed at before the
+        version label is set, so the label never names a version the adapter's name does
+        not serve."""
+        version = self.version if version is None else version
+        if index in self._needs_init:
+            self._init_server(index, client)
+            self._needs_init.discard(index)
+        client.start_weight_update()
+        client.update_weights({"version": version})
+        try:
+            self._load_adapter(index, client)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.finish_weight_update()  # end the server's update session, unlabelled
+            raise
+        client.finish_weight_update(weight_version=str(version))
 
     def shutdown(self) -> None:
         if self.sender is not None:

@@ -61,6 +61,7 @@ class HostReceiver:
         self.sender: VLLMDoubleBufferWeightSender | None = None
         self.fetcher = VersionFetcher(name)
         self.sharded = ShardedFetcher(name)
+        self.version = -1  # the trainer's number of the version staged last
 
     def stage(self, address: str | Sequence[str], token: str, want: int | None, key: str,
               timeout: float) -> int:
@@ -69,19 +70,23 @@ class HostReceiver:
         locally and return its local version; the outcome is in the status file under
         ``key`` either way (an error is raised here too)."""
         try:
+            metadata: dict[str, str] = {}  # a LoRA adapter's name and config (unsharded)
             if isinstance(address, str):
                 packed = self.fetcher.fetch(address, token, want, timeout)
-                version, tensors = packed.version, packed.tensors()
+                version, tensors, metadata = packed.version, packed.tensors(), packed.metadata
             else:
                 version, tensors = self.sharded.fetch(address, token, want, timeout)
             if self.sender is None:
                 self.sender = self.scheme.create_sender()
                 self.sender.register_model(tensors)
+            writer: Any = self.sender.writer
+            writer.slot_metadata = dict(metadata)
             local = int(self.sender.update_weights(tensors, timeout=timeout))
         except Exception as exc:
             self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
             raise
         self._status({"key": key, "local": local, "version": version})
+        self.version = version
         return local
 
     def _status(self, status: dict[str, Any]) -> None:

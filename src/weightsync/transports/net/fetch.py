@@ -18,6 +18,7 @@ from weightsync.transports.net.packed import (
     chunk_count,
     layout_fingerprint,
     parse_header,
+    parse_metadata,
     parse_regions,
 )
 from weightsync.transports.net.wire import (
@@ -86,6 +87,7 @@ class VersionFetcher:
                                   f"{header['error']}")
         version, session, entries, nbytes = parse_header(header, MAX_VERSION_BYTES)
         regions = parse_regions(header, entries)
+        metadata = parse_metadata(header)
         based = header.get("base")
         if based is not None and (base is None or based != base.version
                                   or session != self.base_session
@@ -125,7 +127,7 @@ class VersionFetcher:
                     f"host {self.name}: chunk {index} of version {version} (sent {name}) "
                     f"differs from the trainer's checksum; the version is refused and this "
                     f"host keeps the one it held")
-        packed = PackedVersion(version, entries, out, regions=regions)
+        packed = PackedVersion(version, entries, out, regions=regions, metadata=metadata)
         if base is not None:
             self._spare = base.buffer  # callers are done with a version once they fetch again
         self.base, self.base_session, self.last_kinds = packed, session, kinds

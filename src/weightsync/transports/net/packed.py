@@ -1,6 +1,7 @@
 """A version as it crosses the network: one contiguous byte buffer holding every tensor
 (cast to the wire dtype) at 64-byte aligned offsets, its typed layout (name, dtype, shape,
-offset: JSON, nothing pickled), and the checksum of each ``CHUNK_BYTES`` chunk."""
+offset: JSON, nothing pickled), the checksum of each ``CHUNK_BYTES`` chunk, and string
+metadata (a LoRA adapter's name and config, as a directory slot's header carries them)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class PackedVersion:
     #: a sharded trainer rank's part: ``name -> [start, stop, ...]`` of the global tensor
     #: each entry is (empty: every entry is a whole tensor)
     regions: dict[str, list[int]] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
     _ready: int = -1  # chunks [0, _ready) are packed; -1: all of them
     _failed: str | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
@@ -122,7 +124,7 @@ class PackedVersion:
         return {"version": self.version, "session": session, "nbytes": self.nbytes,
                 "chunk_bytes": CHUNK_BYTES,
                 "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
-                "regions": self.regions}
+                "regions": self.regions, "metadata": self.metadata}
 
 
 def chunk_count(nbytes: int) -> int:
@@ -135,10 +137,11 @@ def layout_fingerprint(entries: list[Entry], nbytes: int) -> str:
 
 
 def plan(weights: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None,
-         buffer: torch.Tensor | None = None) -> PackedVersion:
+         buffer: torch.Tensor | None = None,
+         metadata: Mapping[str, str] | None = None) -> PackedVersion:
     """An empty version laid out for ``weights`` (floating tensors cast to ``dtype`` when
     given), in ``buffer`` when it has the right size (a retired version's: no page
-    faults); ``fill`` packs it."""
+    faults), carrying ``metadata``; ``fill`` packs it."""
     entries, offset = [], 0
     for name in sorted(weights):
         tensor = weights[name]
@@ -151,7 +154,8 @@ def plan(weights: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype |
         offset += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
     if buffer is None or buffer.numel() != offset:
         buffer = torch.empty(offset, dtype=torch.uint8)
-    return PackedVersion(version, entries, buffer, [0] * chunk_count(offset), _ready=0)
+    return PackedVersion(version, entries, buffer, [0] * chunk_count(offset),
+                         metadata=dict(metadata or {}), _ready=0)
 
 
 def pack(weights: Mapping[str, torch.Tensor], version: int,
@@ -161,6 +165,16 @@ def pack(weights: Mapping[str, torch.Tensor], version: int,
     packed = plan(weights, version, dtype)
     packed.fill(weights)
     return packed
+
+
+def parse_metadata(header: dict[str, Any]) -> dict[str, str]:
+    """The version header's metadata (absent: none); ``ProtocolError`` unless it maps
+    strings to strings."""
+    metadata = header.get("metadata", {})
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ProtocolError("a version header whose metadata is not strings by name")
+    return dict(metadata)
 
 
 def parse_header(header: dict[str, Any], limit: int) -> tuple[int, str, list[Entry], int]:

@@ -1,0 +1,141 @@
+"""The server host's side of LoRA on ``vllm serve`` without an engine: each adapter version
+is copied, verified, from a double-buffer directory into its own private directory named by
+the trainer's version (what ``/v1/load_lora_adapter`` is then pointed at), the newest
+``keep`` stay, and what vLLM must not load is refused before any copy."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import vllm_model as vm
+from safetensors.torch import load_file
+
+import weightsync as ws
+from weightsync.core.errors import AdapterRankError, UnsafeDirectoryError, WeightSyncError
+from weightsync.integrations.vllm.served_adapters import AdapterFiles, load_on_server, version_path
+
+pytest.importorskip("peft")
+
+
+def _sender(directory: Path, model: Any) -> Any:
+    sender = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, adapter="policy").create_sender()
+    sender.register_model(model)
+    return sender
+
+
+def _versions(files: AdapterFiles) -> list[str]:
+    return sorted(p.name for p in files.root.iterdir() if p.name.startswith("policy-v"))
+
+
+def test_each_version_gets_its_own_directory_and_the_newest_keep_stay(tmp_path: Path):
+    model = vm.peft_model()
+    files = AdapterFiles(str(tmp_path / "adapters"), "policy", max_rank=8, keep=2)
+    assert os.stat(files.root).st_mode & 0o777 == 0o700
+    with _sender(tmp_path / "slots", model) as sender:
+        for step in range(4):
+            vm.set_adapter(model, step)
+            version = sender.update_weights()
+            path = files.stage(tmp_path / "slots", 10, expect=version, label=100 + version)
+            assert str(path) == version_path(str(files.root), "policy", 100 + version)
+            assert files.version == 100 + version
+            saved = load_file(path / "adapter_model.safetensors")
+            lora = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+            assert len(saved) == len(lora) > 0
+            for name, tensor in saved.items():
+                live = lora[name.replace(".weight", ".default.weight")]
+                assert torch.equal(tensor, live), name
+            assert json.loads((path / "adapter_config.json").read_text())["r"] == 8
+        assert _versions(files) == ["policy-v102", "policy-v103"]
+        with pytest.raises(WeightSyncError, match="version 1 was asked for.*holds version 3"):
+            files.stage(tmp_path / "slots", 10, expect=1)
+    files.close()
+    assert not files.root.exists()
+
+
+def test_an_adapter_above_max_lora_rank_is_refused_before_any_copy(tmp_path: Path):
+    files = AdapterFiles(str(tmp_path / "adapters"), "policy", max_rank=8, keep=2)
+    with _sender(tmp_path / "slots", vm.peft_model(rank=16)) as sender:
+        sender.update_weights()
+        with pytest.raises(AdapterRankError, match="rank 16.*max_lora_rank=8"):
+            files.stage(tmp_path / "slots", 10)
+    assert _versions(files) == []
+
+
+def test_a_version_not_committed_in_time_is_a_timeout(tmp_path: Path):
+    files = AdapterFiles(str(tmp_path / "adapters"), "policy", max_rank=8, keep=2)
+    with _sender(tmp_path / "slots", vm.peft_model()) as sender:
+        sender.update_weights()
+        with pytest.raises(WeightSyncError, match="version 5 could not be read"):
+            files.stage(tmp_path / "slots", 0.3, expect=5)
+
+
+def test_a_directory_others_can_enter_is_refused(tmp_path: Path):
+    shared = tmp_path / "adapters"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(UnsafeDirectoryError, match="not a private directory"):
+        AdapterFiles(str(shared), "policy", max_rank=8, keep=2)
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(UnsafeDirectoryError):
+        AdapterFiles(str(tmp_path / "link"), "policy", max_rank=8, keep=2)
+    with pytest.raises(WeightSyncError, match="parent does not exist"):
+        AdapterFiles(str(tmp_path / "missing" / "adapters"), "policy", max_rank=8, keep=2)
+
+
+def test_directories_of_server_processes_gone_are_swept_by_the_next(tmp_path: Path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = tmp_path / "weightsync-policy-dead"
+    dead.mkdir(mode=0o700)
+    (dead / "owner.json").write_text(json.dumps({"pid": int(done.stdout), "start": "1"}))
+    live = AdapterFiles(str(tmp_path / "weightsync-policy-live"), "policy", max_rank=8, keep=1)
+    other = tmp_path / "not-an-adapter-directory"
+    other.mkdir(mode=0o700)
+    assert not dead.exists() and other.exists()
+    AdapterFiles(str(tmp_path / "weightsync-policy-next"), "policy", max_rank=8, keep=1)
+    assert live.root.exists()  # its process is alive: kept
+    live.close()
+    assert not live.root.exists()
+
+
+def test_a_client_that_cannot_load_adapters_is_named():
+    calls: list[tuple[str, str]] = []
+
+    class Loader:
+        def load_lora_adapter(self, name: str, path: str) -> None:
+            calls.append((name, path))
+
+    load_on_server(Loader(), "policy", "/dev/shm/x/policy-v3", 5)
+    assert calls == [("policy", "/dev/shm/x/policy-v3")]
+    with pytest.raises(TypeError, match="neither load_lora_adapter"):
+        load_on_server(object(), "policy", "/dev/shm/x/policy-v3", 5)
+
+
+def test_the_trainer_engine_refuses_what_cannot_serve_an_adapter(tmp_path: Path):
+    """Before anything is written or sent: a model that is not a peft model, and a client
+    that cannot point a name at an adapter."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm.backend import WeightSyncTrainerInitInfo
+
+    class NoLoader:
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            raise AssertionError("nothing may reach the server")
+
+    info = WeightSyncTrainerInitInfo(rank=0, directory=str(tmp_path), adapter="policy")
+    with pytest.raises(TypeError, match="needs a peft model"):
+        WeightTransferTrainerFactory.trainer_init(info, client=NoLoader(),
+                                                  source=ModuleSource(vm.build_model()))
+    with pytest.raises(TypeError, match="neither load_lora_adapter"):
+        WeightTransferTrainerFactory.trainer_init(info, client=NoLoader(),
+                                                  source=ModuleSource(vm.peft_model()))
+    assert list(tmp_path.iterdir()) == []
