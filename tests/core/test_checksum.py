@@ -250,3 +250,41 @@ def test_sums_and_the_fused_copy_take_tensors_that_require_grad():
     assert ck.copy_shares([(source, target, 0)]) == [ck.checksum(source.detach())]
     assert torch.equal(target, source.detach())
     assert ck.share(source, 3) == ck.torch_share(source.detach(), 3)
+
+
+@pytest.mark.parametrize("first_lane", [0, 1, 2, 3, ck.BLOCK_LANES - 3, ck.BLOCK_LANES - 2,
+                                        ck.BLOCK_LANES - 1, 3 * ck.BLOCK_LANES + 1])
+def test_kernels_pair_lanes_with_their_own_weights(first_lane):
+    """The kernels read lanes and weights two at a time (uint64 words): a run starting at
+    an odd weight index (its first lane alone), of odd length (its last alone), ending on
+    or across a block boundary, from any byte address, gives the torch numbers, summed and
+    fused with the copy alike."""
+    if not ck.accelerated():
+        pytest.skip("numba is not installed")
+    position = 4 * first_lane
+    data = _random(4 * (2 * ck.BLOCK_LANES + 16) + 8, first_lane)
+    for lanes in (1, 2, 3, 4, 5, 6, 7, ck.BLOCK_LANES - 1, ck.BLOCK_LANES, ck.BLOCK_LANES + 3):
+        for address in (0, 4, 1, 2, 7):  # uint64 views of the data at every alignment
+            piece = data[address:address + 4 * lanes]
+            expected = ck.torch_share(piece, position)
+            assert ck.share(piece, position, parallel=False) == expected, (lanes, address)
+            target = torch.zeros(piece.numel() + 8, dtype=torch.uint8)[address:address + piece.numel()]
+            assert ck.copy_shares([(piece, target, position)]) == [expected], (lanes, address)
+            assert torch.equal(target, piece)
+            if lanes <= 7:
+                assert expected == _reference(piece.tolist(), position)
+
+
+@pytest.mark.parametrize("position", [0, 1, 4 * ck.BLOCK_LANES - 4, 4 * 3 * ck.BLOCK_LANES,
+                                      4 * 5 * ck.BLOCK_LANES + 6])
+def test_sums_of_many_whole_blocks_give_the_torch_numbers(position):
+    """The sum kernel takes eight whole blocks at a time (weights chunk by chunk against
+    each block): groups at any block number, after a partial block, from any byte address,
+    with partial blocks after them, give the torch numbers."""
+    if not ck.accelerated():
+        pytest.skip("numba is not installed")
+    data = _random(4 * 18 * ck.BLOCK_LANES + 16, position)
+    for address, size in ((0, 4 * 8 * ck.BLOCK_LANES), (4, 4 * 9 * ck.BLOCK_LANES + 3),
+                          (1, 4 * 17 * ck.BLOCK_LANES + 5)):
+        piece = data[address:address + size]
+        assert ck.share(piece, position, parallel=False) == ck.torch_share(piece, position), address
