@@ -452,6 +452,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._pack_seconds = 0.0
         self._token = ""
         self._needs_init: set[int] = set()  # servers to initialise again (they failed)
+        self._round_inits: list[int] = []  # servers initialised during the round under way
         self.lead: NetRankLead | None = None  # rank 0 of a sharded trainer
         self.member: NetRankMember | None = None  # rank 1..N-1 of a sharded trainer
         self.addresses: list[str] = []  # every rank's, as the servers were last told
@@ -638,6 +639,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if self.lead is not None:
             info["addresses"] = list(self.addresses)
         client.init_weight_transfer_engine(info)
+        self._round_inits.append(index)  # its host streamed the version once more
 
     def _publisher(self) -> VersionPublisher:
         """This rank's listener (rank 0's own part, for a sharded trainer)."""
@@ -679,6 +681,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         update (a restarted one has nothing: it takes the version whole)."""
         started = time.perf_counter()
         errors: dict[str, BaseException] = {}
+        self._round_inits = []
         pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
         try:
             futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
@@ -695,7 +698,11 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 errors[name] = future.exception()  # type: ignore[assignment]
             if name in errors:
                 self._needs_init.add(index)
-        streams = self._publisher().wait_streams(self.version, len(self.clients) - len(errors), 5.0)
+        # one stream per server that answered, and in an update one more per server
+        # initialised again on the way (its init fetched the version whole first)
+        again = len(self._round_inits) if what != "init" else 0
+        expected = len(self.clients) - len(errors) + again
+        streams = self._publisher().wait_streams(self.version, expected, 5.0)
         self._record(what, time.perf_counter() - started, streams, errors)
         if errors:
             detail = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in errors.items())
