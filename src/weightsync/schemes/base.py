@@ -8,10 +8,11 @@ or reader (``core/endpoints.py``).
 from __future__ import annotations
 
 import abc
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from weightsync.core.deadline import required_timeout
 from weightsync.core.strategy import WeightStrategy
+from weightsync.schemes.ranks import for_trainer_ranks, for_workers, pickled_state
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 
@@ -38,9 +39,20 @@ class WeightSyncScheme(abc.ABC):
         return self.timeout or DEFAULT_TIMEOUT
 
     def for_workers(self: S) -> S:
-        """What to hand workers: this scheme. A sharded scheme (``trainer_ranks > 1``)
-        returns a copy whose pickle leaves its trainer ranks' key out (docs/security.md)."""
-        return self
+        """What to hand workers: this scheme; a sharded one's (``trainer_ranks > 1``) copy
+        whose pickle leaves its trainer ranks' key out, so that no worker can act as a
+        trainer rank (docs/security.md)."""
+        config = getattr(self, "config", None)
+        return for_workers(self) if getattr(config, "rank_key", "") else self
+
+    def for_trainer_ranks(self: S) -> S:
+        """What to hand a sharded trainer's ranks: this scheme, with the rank key in its
+        pickle (its own pickle carries it too; this refuses the workers' copy, which has
+        none)."""
+        return for_trainer_ranks(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pickled_state(self)  # the workers' copy leaves the rank key out
 
     @abc.abstractmethod
     def create_sender(self) -> WeightSender:

@@ -25,10 +25,7 @@ from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.ranks import (
     checked_rank_key,
     checked_trainer_ranks,
-    for_trainer_ranks,
-    for_workers,
     new_rank_key,
-    pickled_state,
     trainer_rank,
 )
 from weightsync.schemes.receiver import WeightReceiver
@@ -133,18 +130,6 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
     adapter = property(lambda self: self.config.adapter)
 
-    def for_trainer_ranks(self) -> VLLMDoubleBufferSyncScheme:
-        """What to hand the trainer ranks: this scheme, with the rank key in its pickle (the
-        scheme's own pickle carries it too; this refuses the workers' copy, which has none)."""
-        return for_trainer_ranks(self)
-
-    def for_workers(self) -> VLLMDoubleBufferSyncScheme:
-        """What to hand workers of a sharded trainer: a copy whose pickle leaves the rank key
-        out, so that no worker can act as a trainer rank (docs/security.md)."""
-        return for_workers(self)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self)
 
     def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
         """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an

@@ -74,8 +74,8 @@ def _copy(scheme: S) -> S:
 def for_trainer_ranks(scheme: S) -> S:
     """A copy of ``scheme`` for the trainer ranks (its pickle carries the rank key); a
     ValueError on the workers' copy, which has none."""
-    config: Any = getattr(scheme, "config")  # noqa: B009
-    if config.trainer_ranks > 1:
+    config: Any = getattr(scheme, "config", None)
+    if getattr(config, "trainer_ranks", 1) > 1:
         checked_rank_key(getattr(config, "rank_key", ""), scheme)
     out = _copy(scheme)
     out.__dict__.pop(_WORKERS_ONLY, None)

@@ -33,10 +33,7 @@ from weightsync.schemes.local import check_num_workers
 from weightsync.schemes.ranks import (
     checked_rank_key,
     checked_trainer_ranks,
-    for_trainer_ranks,
-    for_workers,
     new_rank_key,
-    pickled_state,
     trainer_rank,
 )
 from weightsync.schemes.receiver import WeightReceiver
@@ -184,18 +181,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
     delta = property(lambda self: self.config.delta)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
-    def for_trainer_ranks(self) -> RayWeightSyncScheme:
-        """What to hand the trainer ranks: this scheme, with the rank key in its pickle (the
-        scheme's own pickle carries it too; this refuses the workers' copy, which has none)."""
-        return for_trainer_ranks(self)
-
-    def for_workers(self) -> RayWeightSyncScheme:
-        """What to hand the actors of a sharded trainer: a copy whose pickle leaves the rank
-        key out, so that no actor can act as a trainer rank (docs/security.md)."""
-        return for_workers(self)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self)
 
     def create_sender(
         self, workers: Sequence[Any] | Mapping[int, Any] | None = None, *,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
@@ -11,10 +10,7 @@ from weightsync.schemes.local import LocalScheme, SameHostConfig
 from weightsync.schemes.ranks import (
     checked_rank_key,
     checked_trainer_ranks,
-    for_trainer_ranks,
-    for_workers,
     new_rank_key,
-    pickled_state,
     trainer_rank,
 )
 from weightsync.schemes.receiver import WeightReceiver
@@ -77,18 +73,6 @@ class SharedMemWeightSyncScheme(LocalScheme):
     zero_copy = property(lambda self: self.config.zero_copy)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
-    def for_trainer_ranks(self) -> SharedMemWeightSyncScheme:
-        """What to hand the trainer ranks: this scheme, with the rank key in its pickle (the
-        scheme's own pickle carries it too; this refuses the workers' copy, which has none)."""
-        return for_trainer_ranks(self)
-
-    def for_workers(self) -> SharedMemWeightSyncScheme:
-        """What to hand workers of a sharded trainer: a copy whose pickle leaves the rank key
-        out, so that no worker can act as a trainer rank (docs/security.md)."""
-        return for_workers(self)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self)
 
     def create_sender(self, rank: int | None = None) -> WeightSender:
         """The trainer's end; with ``trainer_ranks > 1``, rank ``rank``'s (default: this
