@@ -69,7 +69,8 @@ def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
     from weightsync.integrations.vllm.backend import WeightSyncTrainerInitInfo
 
     return WeightTransferTrainerFactory.trainer_init(
-        WeightSyncTrainerInitInfo(rank=0, address=f"{ADDRESS_A}:0", dtype="bfloat16", **info),
+        WeightSyncTrainerInitInfo(rank=0, address=f"{ADDRESS_A}:0",
+                                  **{"dtype": "bfloat16", **info}),
         client=[HTTPVLLMWeightSyncClient(s.url, timeout=120) for s in servers]
         if isinstance(servers, list) else HTTPVLLMWeightSyncClient(servers.url, timeout=120),
         source=ModuleSource(trainer),
@@ -142,6 +143,18 @@ def test_a_trainer_killed_mid_version_leaves_the_server_serving_its_last(
     assert reply.status_code >= 400
     assert "cannot reach the trainer" in server.log(200_000)
     assert greedy(server) == _bf16_greedy(expected)
+    # the trainer comes back with another wire dtype: the new session's init starts the
+    # host's staging over (its slots hold bf16), and its versions are served exactly
+    trainer = vm.build_model()
+    vm.perturb(trainer, 3)
+    engine = _engine(trainer, server, dtype="float32")
+    try:
+        assert greedy(server) == vm.transformers_greedy(trainer)
+        vm.perturb(trainer, 4)
+        engine.send_weights()
+        assert greedy(server) == vm.transformers_greedy(trainer)
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,31 @@ def test_whole_then_delta_versions_arrive_exact(publisher: VersionPublisher):
         fetcher.fetch(publisher.address, "secret-token", 7, 10)
 
 
+def test_figures_settle_waits_for_a_verdict_still_being_read(
+        publisher: VersionPublisher, monkeypatch: pytest.MonkeyPatch):
+    """A host sends its verdict and goes on to load: the trainer can hear of the load before
+    the stream's thread has read that verdict. ``figures(v, settle=...)`` waits for every
+    stream of ``v`` that began; without it the stream is missing."""
+    import time
+
+    from weightsync.transports.net import publisher as publisher_module
+
+    read = publisher_module.recv_frame
+
+    def slow_verdict(conn):
+        frame = read(conn)
+        if "ok" in frame:
+            time.sleep(0.5)  # the stream's thread is late to read the host's verdict
+        return frame
+
+    monkeypatch.setattr(publisher_module, "recv_frame", slow_verdict)
+    publisher.publish(pack(_weights(), 0, torch.bfloat16))
+    VersionFetcher("host-b").fetch(publisher.address, "secret-token", None, 10)
+    assert publisher.figures(0) == []  # the verdict is not read yet
+    settled = publisher.figures(0, settle=5.0)
+    assert len(settled) == 1 and settled[0].chunks == 2 and settled[0].error is None
+
+
 def test_a_host_without_the_base_gets_whole_chunks(publisher: VersionPublisher):
     publisher.publish(pack(_weights(), 0, torch.bfloat16))
     publisher.publish(pack(_step(_weights()), 1, torch.bfloat16))

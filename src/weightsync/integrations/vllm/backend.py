@@ -222,7 +222,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                                              init_info.timeout)
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
                 local = self.host.stage(_trainer(init_info), init_info.token, None, key,
-                                        init_info.timeout)
+                                        init_info.timeout, new_session=True)
             else:
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
                 local = wait_staged(self.staging, key, init_info.timeout, where)
@@ -549,7 +549,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             own, started = self.member.own.publisher, time.perf_counter()
             self.version = self.member.send(flat, version, deadline)
             self._next = self.version + 1
-            self._record(what, time.perf_counter() - started, own.figures(self.version), {})
+            self._record(what, time.perf_counter() - started, own.figures(self.version, settle=5.0), {})
             return
         assert self.lead is not None
         asked: list[bool] = []

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme, VLLMDoubleBufferWeightSender
@@ -53,22 +55,35 @@ class HostReceiver:
     the engine's ``num_workers`` ranks."""
 
     def __init__(self, directory: Path, num_workers: int, name: str, timeout: float) -> None:
-        self.directory = directory
-        if directory.exists():
-            shutil.rmtree(directory)  # a previous engine's leftovers: nothing to trust there
-        directory.mkdir(mode=0o700, parents=True)
-        self.scheme = VLLMDoubleBufferSyncScheme(directory, num_workers=num_workers, timeout=timeout)
+        self.directory, self.num_workers, self.timeout = directory, num_workers, timeout
         self.sender: VLLMDoubleBufferWeightSender | None = None
+        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what is staged
+        self._start_over()
         self.fetcher = VersionFetcher(name)
         self.sharded = ShardedFetcher(name)
         self.version = -1  # the trainer's number of the version staged last
 
+    def _start_over(self) -> None:
+        """An empty staging directory (a previous engine's or session's slots: nothing to
+        trust there, and their layout may not be the next one's)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(mode=0o700, parents=True)
+        self.scheme = VLLMDoubleBufferSyncScheme(self.directory, num_workers=self.num_workers,
+                                                 timeout=self.timeout)
+        self.layout = {}
+
     def stage(self, address: str | Sequence[str], token: str, want: int | None, key: str,
-              timeout: float) -> int:
+              timeout: float, *, new_session: bool = False) -> int:
         """Fetch ``want`` (None: the trainer's current version) from the trainer, or from
         every rank of a sharded trainer (``address``: theirs, rank by rank), commit it
         locally and return its local version; the outcome is in the status file under
-        ``key`` either way (an error is raised here too)."""
+        ``key`` either way (an error is raised here too). ``new_session`` (an init, where
+        every rank attaches afresh): a version of another layout than the one staged (the
+        trainer now sends another dtype or model) starts the staging directory over."""
         try:
             metadata: dict[str, str] = {}  # a LoRA adapter's name and config (unsharded)
             if isinstance(address, str):
@@ -76,9 +91,15 @@ class HostReceiver:
                 version, tensors, metadata = packed.version, packed.tensors(), packed.metadata
             else:
                 version, tensors = self.sharded.fetch(address, token, want, timeout)
+            layout = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+            if new_session and self.layout and layout != self.layout:
+                logger.info("host %s: the trainer's new session sends another layout; its "
+                            "staging directory starts over", self.fetcher.name)
+                self._start_over()
             if self.sender is None:
                 self.sender = self.scheme.create_sender()
                 self.sender.register_model(tensors)
+                self.layout = layout
             writer: Any = self.sender.writer
             writer.slot_metadata = dict(metadata)
             local = int(self.sender.update_weights(tensors, timeout=timeout))

@@ -65,6 +65,7 @@ class VersionPublisher:
         self._retired: PackedVersion | None = None
         self._reading: dict[int, int] = {}  # id(version) -> streams reading it
         self._figures: dict[int, list[StreamFigures]] = {}
+        self._streaming: dict[int, int] = {}  # version -> streams begun and not yet recorded
         self._connections: set[socket.socket] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="weightsync-net-listener",
@@ -105,8 +106,18 @@ class VersionPublisher:
             self._retired = None
             return retired.buffer
 
-    def figures(self, version: int) -> list[StreamFigures]:
+    def figures(self, version: int, settle: float = 0.0) -> list[StreamFigures]:
+        """The figures of the streams of ``version`` that ended; with ``settle``, first wait
+        up to that long for the streams of it still under way to end (a host sends its
+        verdict before it loads: the trainer can hear of the load before this thread has
+        read the verdict)."""
+        end = time.monotonic() + settle
         with self._cond:
+            while self._streaming.get(version, 0):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
             return list(self._figures.get(version, []))
 
     def wait_streams(self, version: int, count: int, timeout: float) -> list[StreamFigures]:
@@ -166,6 +177,8 @@ class VersionPublisher:
                                            f"(its current version is {current})"})
                 return
             figures = StreamFigures(host, packed.version)
+            with self._cond:
+                self._streaming[packed.version] = self._streaming.get(packed.version, 0) + 1
             started = time.perf_counter()
             held = [v for v in (packed, base) if v is not None]  # counted by _choose
             try:
@@ -190,6 +203,9 @@ class VersionPublisher:
                 self._connections.discard(conn)
                 if figures is not None:
                     self._figures.setdefault(figures.version, []).append(figures)
+                    left = self._streaming.pop(figures.version, 1) - 1
+                    if left:
+                        self._streaming[figures.version] = left
                 self._cond.notify_all()
             conn.close()
 
