@@ -7,15 +7,11 @@ clients asking for ``model="policy"`` get each new version."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import vllm_model as vm
-from vllm_engine import vllm_or_skip
 from vllm_lora_serve import (
     LORA_SERVE_ARGS,
     LORA_SERVE_ENV,
@@ -24,47 +20,23 @@ from vllm_lora_serve import (
     check_versions,
     merged_greedy,
 )
-from vllm_server import VLLMServer
+from vllm_server import VLLMServer, serve_on_host_b, two_hosts
 
-from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster, two_host_network
+from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multihost, pytest.mark.timeout(900)]
 
 
-def _unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network and mount namespaces"
-    for tool in ("ip", "unshare", "mount"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool} command"
-    return None
-
-
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[TwoHostCluster]:
-    vllm_or_skip()
-    pytest.importorskip("zstandard")
-    pytest.importorskip("peft")
-    reason = _unavailable()
-    if reason is not None:
-        pytest.skip(f"two hosts unavailable: {reason}")
-    with two_host_network() as made:
-        made.enter("a")  # the trainer (this process) lives on host A
-        yield made
+    yield from two_hosts("peft")
 
 
 @pytest.fixture(scope="module")
 def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
     """``vllm serve --enable-lora`` on host B (it boots from its own copy of the tiny Llama)."""
-    work = Path(tempfile.mkdtemp(prefix="ws-vllm-lora-remote-", dir="/var/tmp"))
-    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"), host=ADDRESS_B,
-                        port=8000, netns=hosts.ns_b, extra=LORA_SERVE_ARGS, env=LORA_SERVE_ENV)
-    try:
-        served.start().wait_ready()
-        yield served
-    finally:
-        served.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    yield from serve_on_host_b(hosts, "ws-vllm-lora-remote-", extra=LORA_SERVE_ARGS,
+                               env=LORA_SERVE_ENV)
 
 
 def test_adapter_versions_reach_a_server_on_another_host(server: VLLMServer):
