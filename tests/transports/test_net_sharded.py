@@ -207,3 +207,39 @@ def test_a_rank_that_dies_while_the_hosts_fetch_is_named(tmp_path: Path):
         host.close()
         if child.is_alive():
             child.kill()
+
+
+def test_a_rank_that_stalls_while_the_hosts_fetch_is_named(tmp_path: Path):
+    """Rank 1 wrote its part and is suspended (SIGSTOP) before the host fetched it: the
+    host's fetch times out, and rank 0's send raises ``TrainerRankLostError`` naming rank 1
+    as stalled (it stopped answering rank 0's pings), not only the host's error."""
+    import signal
+
+    key = secrets.token_hex(32)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=net_ranks.member_main, args=(key, 1, TIMEOUT, results),
+                        daemon=True)
+    child.start()
+    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=torch.bfloat16, timeout=TIMEOUT, delta=True)
+    host = HostReceiver(tmp_path / "staged", 1, "host-b", TIMEOUT)
+
+    def deliver(version: int, addresses: list[str]) -> None:
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGSTOP)
+        host.stage(addresses, host_token(key), version, request_key("t", "0"), 5.0)
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(ws.TrainerRankLostError) as info:
+            lead.send(net_ranks.rank_flat(0, 0), 0, Deadline(TIMEOUT), deliver)
+        assert info.value.rank == 1 and "stopped answering" in str(info.value), info.value
+        assert "while the hosts fetched version 0" in str(info.value)
+        assert time.monotonic() - started < TIMEOUT
+    finally:
+        lead.close()
+        host.close()
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+

@@ -26,11 +26,13 @@ server host cannot pose as a trainer rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 #: the shortest rank key accepted (hex characters: 128 bits)
 MIN_RANK_KEY = 32
+#: seconds between rank 0's pings of the other ranks while the hosts fetch a version
+PING_S = 0.5
+#: a rank silent this long while the hosts fetched is named when their fetch fails
+STALLED_S = 3.0
 
 
 def checked_rank_key(rank_key: str, ranks: int) -> str:
@@ -165,7 +171,8 @@ class NetRankLead:
             addresses = [own.address] + [_address(dones[r].detail, r)
                                          for r in range(1, self.ranks)]
             try:
-                deliver(version, addresses)
+                with self._pinging():
+                    deliver(version, addresses)
             except Exception as exc:
                 self._blame_lost_rank(attempt, exc)
                 raise
@@ -175,11 +182,34 @@ class NetRankLead:
         self.lead.commit()
         return addresses
 
+    @contextlib.contextmanager
+    def _pinging(self) -> Iterator[None]:
+        """While the hosts fetch, ask every rank for a word each :data:`PING_S`: a rank
+        that stopped (stalled, suspended) stops answering, and is named if they fail."""
+        stop = threading.Event()
+
+        def ping() -> None:
+            while not stop.wait(PING_S):
+                self.hub.ping()
+
+        self.hub.ping()
+        thread = threading.Thread(target=ping, name="weightsync-net-ping", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
     def _blame_lost_rank(self, attempt: Plan, error: Exception) -> None:
         """A delivery that failed while a rank was lost (it died while the hosts fetched its
-        part) is that rank's ``TrainerRankLostError``, not only the servers' error."""
+        part) or had stopped answering (stalled) is that rank's ``TrainerRankLostError``,
+        not only the servers' error."""
         for rank in range(1, self.ranks):
             why = self.hub.lost(rank, attempt.incarnations[rank])
+            silent = self.hub.silent_for(rank)
+            if not why and silent > STALLED_S:
+                why = f"stopped answering ({silent:.1f} s without a word: stalled?)"
             if why:
                 raise TrainerRankLostError(
                     f"trainer rank {rank} {why} while the hosts fetched version "

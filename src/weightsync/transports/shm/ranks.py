@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class _Connection:
     gone: str = ""  # why it can no longer answer ('' while it may)
     mapped: set[tuple[int, int]] = field(default_factory=set)  # (slot index, request) answered
     who: str = ""  # how messages name its process
+    heard_at: float = field(default_factory=time.monotonic)  # when it last sent anything
 
     def alive(self) -> bool:
         """Its connection is open and (judged where the pid is known) its process lives."""
@@ -187,6 +189,7 @@ class RankHub:
             header, kind = message.header, message.header.get("t")
             try:
                 with self.cond:
+                    connection.heard_at = time.monotonic()
                     if kind == "rank.hello":
                         hello = Hello.from_json(header.get("hello"), where)
                         if hello.rank != connection.rank:
@@ -223,6 +226,17 @@ class RankHub:
             if connection.hello is None:
                 return "restarted (a new process connected)"
             return "" if connection.alive() else connection.gone
+
+    def ping(self) -> None:
+        """Ask every rank for a word (a rank inside its send answers at once): the answers
+        keep :meth:`silent_for` low for ranks that still run."""
+        self._tell({"t": "rank.ping"})
+
+    def silent_for(self, rank: int) -> float:
+        """Seconds since rank ``rank`` last sent anything (0 if it is not connected)."""
+        with self.cond:
+            connection = self.connections.get(rank)
+            return 0.0 if connection is None else time.monotonic() - connection.heard_at
 
     def post_plan(self, plan: Plan) -> None:
         with self.cond:
@@ -400,6 +414,8 @@ class RankLink:
                         "request": header["request"]})
         elif kind == "rank.retire":
             self._on_retire(int(header["index"]))
+        elif kind == "rank.ping":
+            self._send({"t": "rank.pong"})
 
     def _send(self, header: dict[str, Any]) -> None:
         assert self.channel is not None
