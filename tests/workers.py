@@ -146,3 +146,34 @@ def drain(out: Any, count: int, timeout: float = 30.0) -> list[tuple]:
         except queue.Empty:
             continue
     return items
+
+
+def close_during_connect(receiver: Any, after: float = 0.3, within: float = 3.0) -> BaseException:
+    """Call ``receiver.close()`` from another thread ``after`` seconds into a
+    ``connect(timeout=30)``: the connect must raise the closed error ``within`` seconds, and
+    the receiver stay closed. Returns that error (its ``__cause__`` says what it waited on)."""
+    import threading
+
+    closer = threading.Timer(after, receiver.close)
+    t0 = time.monotonic()
+    closer.start()
+    try:
+        try:
+            receiver.connect(timeout=30)
+        except RuntimeError as exc:
+            error: BaseException = exc
+        else:
+            raise AssertionError("connect() returned although close() was called during it")
+        took = time.monotonic() - t0
+    finally:
+        closer.join(15)
+    assert "this receiver is closed" in str(error), repr(error)
+    assert took < within, f"connect() took {took:.1f} s to notice close()"
+    assert not closer.is_alive(), "close() did not return"
+    try:
+        receiver.poll()
+    except RuntimeError as exc:
+        assert "this receiver is closed" in str(exc)
+    else:
+        raise AssertionError("poll() worked on a closed receiver")
+    return error

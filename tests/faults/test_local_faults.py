@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from workers import checksum, drain, echo_worker, fill_all, make_model
+from workers import checksum, close_during_connect, drain, echo_worker, fill_all, make_model
 
 import weightsync as ws
 from weightsync.transports.local.address import AddressInUseError
@@ -402,6 +402,65 @@ def test_poll_never_blocks_on_a_slot_whose_handle_has_not_arrived():
     assert time.monotonic() - t0 < 0.5
     transport.close()
     sender_side.close()
+
+
+# ---------------------------------------------------------------- close during connect
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("trainer", ["absent", "created", "started"])
+def test_close_from_another_thread_ends_a_waiting_connect(local_scheme, trainer):
+    """A worker waiting in ``connect(timeout=30)`` for its trainer (none yet; one created
+    whose hub does not answer yet; one whose hub admitted the worker but sent nothing) is
+    closed from another thread: connect() raises the closed error at once, and nothing it
+    opened (socket, reader thread, mapped file) stays behind."""
+    from weightsync.core.deadline import Deadline
+
+    scheme = local_scheme(num_workers=1, timeout=30)
+    sender = None
+    if trainer != "absent":
+        sender = scheme.create_sender()  # binds the address; its hub starts at connect()
+        sender.register_model(make_model())
+        if trainer == "started":
+            sender.writer.start(Deadline(5))  # the hub answers, but nothing is published
+    before = _open_fds()
+    receiver = scheme.create_receiver(worker_idx=0)
+    receiver.register_model(make_model())
+    error = close_during_connect(receiver)
+    assert error.__cause__ is not None  # what the transport was waiting on when cut
+    time.sleep(0.2)  # the trainer's hub sees the goodbye
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightsync-reader")]
+    assert _open_fds() <= before, "the closed receiver left a file descriptor open"
+    if sender is not None:
+        sender.close()
+
+
+def test_close_from_a_signal_handler_ends_a_waiting_connect(local_scheme):
+    """The handler runs in the very thread that waits in connect(): close() cuts the wait
+    and connect() releases the receiver as it returns (no deadlock on its own locks)."""
+    from weightsync.core.deadline import Deadline
+
+    scheme = local_scheme(num_workers=1, timeout=30)
+    sender = scheme.create_sender()
+    sender.register_model(make_model())
+    sender.writer.start(Deadline(5))
+    receiver = scheme.create_receiver(worker_idx=0)
+    receiver.register_model(make_model())
+    previous = signal.signal(signal.SIGALRM, lambda *_: receiver.close())
+    t0 = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(RuntimeError, match="this receiver is closed"):
+            receiver.connect(timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 3.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightsync-reader")]
+    with pytest.raises(RuntimeError, match="this receiver is closed"):
+        receiver.poll()
+    sender.close()
 
 
 # ---------------------------------------------------------------- apply and close at once

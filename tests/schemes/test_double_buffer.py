@@ -15,7 +15,7 @@ import torch
 from dbuf_workers import hammer_reader, looping_sender
 from safetensors import safe_open
 from slot_damage import KINDS, damage_slot
-from workers import drain, echo_worker, make_model
+from workers import close_during_connect, drain, echo_worker, make_model
 
 import weightsync as ws
 from weightsync.transports.directory.manifest import MANIFEST, slot_path
@@ -336,6 +336,15 @@ def test_one_sender_per_directory(directory):
 
 def _filled(value: float) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.full((64,), value) for i in range(3)}
+
+
+def test_close_from_another_thread_ends_a_connect_waiting_for_a_first_version(directory):
+    """No version committed yet (the trainer has not started): connect(timeout=30) polls the
+    directory until a close() from another thread ends it with the closed error."""
+    scheme = ws.VLLMDoubleBufferSyncScheme(directory, num_workers=1, timeout=30)
+    receiver = scheme.create_receiver(0)
+    receiver.register_model(make_model())
+    close_during_connect(receiver)
 
 
 def test_newest_committed_and_apply_version(directory):

@@ -36,24 +36,48 @@ def required_timeout(timeout: object, what: str = "timeout", *, optional: bool =
     return seconds
 
 
+class _Cut:
+    """Whether a deadline (and every deadline derived from it) was cut short."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+
 class Deadline:
-    """Turns a ``timeout`` in seconds (``None``: never) into the time left for each wait."""
+    """Turns a ``timeout`` in seconds (``None``: never) into the time left for each wait.
 
-    __slots__ = ("_end", "timeout")
+    :meth:`cancel` (from any thread) cuts it short: every wait that shares it, and every
+    deadline derived from it (:meth:`ahead`, :meth:`at_least`), ends at its next slice."""
 
-    def __init__(self, timeout: float | None) -> None:
+    __slots__ = ("_cut", "_end", "timeout")
+
+    def __init__(self, timeout: float | None, *, _cut: _Cut | None = None) -> None:
         timeout = checked_timeout(timeout)
         self.timeout = timeout
         self._end = None if timeout is None else time.monotonic() + timeout
+        self._cut = _Cut() if _cut is None else _cut
+
+    def cancel(self) -> None:
+        """End it now: ``expired()`` is True, ``remaining()`` and ``slice()`` are 0 from
+        here on (a ``close()`` from another thread ends the call that waits on it)."""
+        self._cut.done = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cut.done
 
     def remaining(self) -> float | None:
-        """Seconds left (never negative), or ``None`` for no deadline."""
+        """Seconds left (never negative), or ``None`` for no deadline (0 once cancelled)."""
+        if self._cut.done:
+            return 0.0
         if self._end is None:
             return None
         return max(0.0, self._end - time.monotonic())
 
     def expired(self) -> bool:
-        return self._end is not None and time.monotonic() >= self._end
+        return self._cut.done or (self._end is not None and time.monotonic() >= self._end)
 
     def __str__(self) -> str:
         """The timeout in human units, for error messages ("2.5 s", "no deadline")."""
@@ -67,6 +91,13 @@ class Deadline:
     def ahead(self, fraction: float = 0.1, at_most: float = 1.0) -> Deadline:
         """A deadline that ends earlier by ``fraction`` of the time left (at most
         ``at_most`` seconds): a coordinator gives up on it first, so the processes waiting
-        on the whole deadline still hear why before theirs runs out."""
+        on the whole deadline still hear why before theirs runs out. Cancelled with this one."""
         left = self.remaining()
-        return Deadline(None if left is None else max(0.0, left - min(at_most, fraction * left)))
+        return Deadline(None if left is None else max(0.0, left - min(at_most, fraction * left)),
+                        _cut=self._cut)
+
+    def at_least(self, seconds: float) -> Deadline:
+        """A deadline that leaves at least ``seconds`` (or the time left, if longer): for a
+        short exchange that must not be given up half-way. Cancelled with this one."""
+        left = self.remaining()
+        return Deadline(None if left is None else max(left, seconds), _cut=self._cut)

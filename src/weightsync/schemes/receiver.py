@@ -3,7 +3,9 @@
 A :class:`WeightReceiver` is handed its transport's :class:`~weightsync.core.endpoints.WeightReader`
 and owns what every transport shares: the registered model (resolved again at each apply),
 the version it holds, one deadline per call, and the apply lock that keeps ``close()``
-(from any thread) from releasing memory an apply is reading. A version is applied only
+(from any thread) from releasing memory an apply is reading. ``close()`` cancels the
+deadline of a ``connect()`` in progress, so a worker shut down while it waits for its
+trainer stops waiting at once. A version is applied only
 inside ``connect()``, ``poll()`` and ``receive()``: never behind the worker's back.
 """
 
@@ -31,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 #: how long ``receive()`` waits on the transport between two looks
 _WAIT_SLICE = 0.05
+#: how long ``close()`` waits for a ``connect()`` in another thread to end once its deadline
+#: is cancelled (it ends within one wait slice; past this, that connect() releases the
+#: receiver itself as it returns, so close() never hangs)
+_CLOSE_WAIT = 10.0
 
 
 class WeightReceiver(Closable):
@@ -48,7 +54,11 @@ class WeightReceiver(Closable):
         self._version = NO_VERSION
         # held while a version is applied: close() waits for it
         self._apply_lock = threading.Lock()
+        self._connect_ended = threading.Condition(self._apply_lock)
+        # the deadline of each connect() in progress, by thread: close() cancels them
+        self._connecting: dict[int, Deadline] = {}
         self._closed = False
+        self._released = False  # the reader is closed (by close(), or by a connect() it cut short)
         self._forked_copy = False
         track_for_fork(self)
 
@@ -126,14 +136,46 @@ class WeightReceiver(Closable):
         return Deadline(self.scheme.timeout if timeout is None else timeout)
 
     def connect(self, timeout: float | None = None) -> int:
-        """Join the sender, receive and apply the current version; returns it."""
+        """Join the sender, receive and apply the current version; returns it. A
+        ``close()`` from another thread (or a signal handler) meanwhile ends the wait
+        within a fraction of a second: this then raises RuntimeError ("this receiver is
+        closed"), chained from what the transport was doing."""
         deadline = self._deadline(timeout)
-        self._check_open()
+        me = threading.get_ident()
+        with self._apply_lock:
+            self._check_open()
+            self._connecting[me] = deadline
+        try:
+            version = self._connect(deadline)
+        except Exception as exc:
+            if deadline.cancelled:
+                raise self._closed_error("close() was called while connect() waited") from exc
+            raise
+        finally:
+            self._connect_done(me)
+        if deadline.cancelled:  # closed as it finished: the caller must not go on with it
+            raise self._closed_error("close() was called while connect() waited")
+        return version
+
+    def _connect_done(self, me: int) -> None:
+        """A connect() ended: wake a close() waiting for it, or do the release that a
+        close() left to it (one that gave up waiting, or ran in this very thread)."""
+        with self._apply_lock:
+            del self._connecting[me]
+            self._connect_ended.notify_all()
+            if self._closed and not self._connecting:
+                try:
+                    self._release()
+                except Exception as exc:  # the connect's own error is the one to raise
+                    logger.warning("worker %d: releasing after connect() failed: %s",
+                                   self.worker_idx, exc)
+
+    def _connect(self, deadline: Deadline) -> int:
         dest = self._destination()
         try:
             self.reader.open(Layout.from_weights(dest) if dest else None, deadline)
         except SchemaMismatchError:
-            self.close()
+            self._closed = True  # refused for good: released as connect() returns
             raise
         while True:
             with self._apply_lock:
@@ -199,20 +241,47 @@ class WeightReceiver(Closable):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"worker {self.worker_idx}: this receiver is closed")
+            raise self._closed_error()
+
+    def _closed_error(self, why: str = "") -> RuntimeError:
+        return RuntimeError(f"worker {self.worker_idx}: this receiver is closed"
+                            + (f" ({why})" if why else ""))
 
     def close(self) -> None:
         """Leave the sender (a clean goodbye, not a loss) and release everything; waits for
-        an apply in progress in another thread."""
+        an apply in progress in another thread. Callable from any thread or a signal
+        handler: a ``connect()`` still waiting (for a trainer not started yet, or its first
+        version) is cut short and raises RuntimeError ("this receiver is closed")."""
         if self._closed:
             return
         self._closed = True
-        with self._apply_lock:
-            dest = None
-            if self._dest is not None and self._version > NO_VERSION:
-                try:
-                    dest = self._destination()
-                except Exception as exc:  # the model is gone or changed: nothing to keep
-                    logger.debug("worker %d: model not resolved at close: %s",
-                                 self.worker_idx, exc)
-            self.reader.close(dest)
+        for deadline in tuple(self._connecting.values()):  # no lock: it may be held by a
+            deadline.cancel()                               # connect() in this very thread
+        if threading.get_ident() in self._connecting:
+            return  # a signal handler in the connecting thread: connect() releases as it ends
+        waited = Deadline(_CLOSE_WAIT)
+        with self._connect_ended:
+            while self._connecting and not waited.expired():
+                for deadline in self._connecting.values():  # one that registered meanwhile
+                    deadline.cancel()
+                self._connect_ended.wait(waited.slice(_CLOSE_WAIT))
+            if self._connecting:
+                logger.warning("worker %d: a connect() in another thread did not end within "
+                               "%s of close(); it releases the receiver as it returns",
+                               self.worker_idx, waited)
+                return
+            self._release()
+
+    def _release(self) -> None:
+        """Close the reader, once (apply lock held); a zero-copy model keeps its version."""
+        if self._released:
+            return
+        self._released = True
+        dest = None
+        if self._dest is not None and self._version > NO_VERSION:
+            try:
+                dest = self._destination()
+            except Exception as exc:  # the model is gone or changed: nothing to keep
+                logger.debug("worker %d: model not resolved at close: %s",
+                             self.worker_idx, exc)
+        self.reader.close(dest)

@@ -80,9 +80,10 @@ class ChannelListener:
                 os.unlink(self.address)
 
 
-def connect_channel(address: str, timeout: float | None) -> Channel:
-    """Connect to a listener, retrying while it is not up yet, until ``timeout``."""
-    deadline = Deadline(timeout)
+def connect_channel(address: str, timeout: float | Deadline | None) -> Channel:
+    """Connect to a listener, retrying while it is not up yet, until ``timeout`` (a
+    :class:`Deadline` to share a caller's, whose ``cancel()`` then ends the retries)."""
+    deadline = timeout if isinstance(timeout, Deadline) else Deadline(timeout)
     delay = 0.005
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -49,6 +49,8 @@ from weightsync.transports.local.members import ACK, BYE, CLOSE, MISMATCH, VERSI
 
 logger = logging.getLogger(__name__)
 
+#: the longest one wait for a handshake frame lasts before the deadline is looked at again
+_HANDSHAKE_SLICE = 0.2
 #: a transport message from the trainer, taken in the reader thread; True if it was one
 MessageEvent = Callable[[Message, Channel], bool]
 
@@ -125,7 +127,11 @@ class LocalLink:
         sends is used."""
         idx = self.worker_idx
         self._handshake_peer = None
-        channel = connect_channel(self.address, deadline.remaining())
+
+        def waited() -> float | None:  # short waits: a cancelled deadline is seen at once
+            return deadline.slice(_HANDSHAKE_SLICE)
+
+        channel = connect_channel(self.address, deadline)
         try:
             peer = peer_credentials(channel.socket)
             if peer.uid != self.uid:
@@ -140,7 +146,7 @@ class LocalLink:
                     f"{self.creator_pid}) nor one of its descendants"
                 )
             self._handshake_peer = peer.pid
-            challenge = read_frame(channel.socket, deadline.remaining)
+            challenge = read_frame(channel.socket, waited)
             sender_nonce = challenge.get("nonce")
             if challenge.get("t") != "challenge" or not isinstance(sender_nonce, str):
                 raise WeightSyncError(f"worker {idx}: the sender's address answered with "
@@ -150,7 +156,7 @@ class LocalLink:
                 "t": "hello", "worker_idx": idx, "pid": os.getpid(), "nonce": nonce,
                 "proof": worker_proof(self.token, sender_nonce, nonce, idx),
             }, timeout=deadline.slice(10.0))
-            reply = read_frame(channel.socket, deadline.remaining)
+            reply = read_frame(channel.socket, waited)
             if reply.get("t") == "refused" and reply.get("kind") == "expired":
                 raise HandshakeExpired(f"the sender closed the handshake: {reply.get('error')}")
             if reply.get("t") == "refused":

@@ -228,9 +228,10 @@ class StreamReader:
         """Join the trainer again if it dropped this worker (and the drop was raised)."""
         if not self.link.needs_rejoin(reported_only):
             return
-        remaining = deadline.remaining() if deadline is not None else None
-        seconds = REJOIN_SECONDS if remaining is None else max(remaining, REJOIN_SECONDS)
-        self.link.rejoin(Deadline(seconds), self._on_message, self._reset_stream)
+        # at least REJOIN_SECONDS, and cancelled with the caller's deadline (a close())
+        rejoin = Deadline(REJOIN_SECONDS) if deadline is None or deadline.remaining() is None \
+            else deadline.at_least(REJOIN_SECONDS)
+        self.link.rejoin(rejoin, self._on_message, self._reset_stream)
 
     def open(self, local: Layout | None, deadline: Deadline) -> None:
         rejoined = self.link.needs_rejoin(reported_only=False)
