@@ -5,10 +5,8 @@ the way vLLM documents it: a plain trainer process (not a vLLM process) calls
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 import torch
 import vllm_model as vm
 from vllm_engine import vllm_or_skip
-from vllm_server import SRC, VLLMServer, greedy
+from vllm_server import SRC, VLLMServer, greedy, serve_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -25,14 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 def server() -> Iterator[VLLMServer]:
     """One ``vllm serve`` on 127.0.0.1 for the module (it takes 20-60 s to start)."""
     vllm_or_skip()
-    work = Path(tempfile.mkdtemp(prefix="ws-vllm-serve-", dir="/var/tmp"))
-    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"))
-    try:
-        served.start().wait_ready()
-        yield served
-    finally:
-        served.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    yield from serve_tiny_llama("ws-vllm-serve-")
 
 
 def test_importing_the_backend_registers_the_trainer_engine_in_a_fresh_process():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from vllm_lora_serve import (
     check_versions,
     merged_greedy,
 )
-from vllm_server import VLLMServer, greedy
+from vllm_server import VLLMServer, greedy, serve_tiny_llama
 
 from weightsync.core.errors import BaseWeightChangedError
 from weightsync.integrations.vllm.served_adapters import AdapterFiles
@@ -38,15 +37,7 @@ def server() -> Iterator[VLLMServer]:
     """One ``vllm serve --enable-lora`` on 127.0.0.1 for the module."""
     vllm_or_skip()
     pytest.importorskip("peft")
-    work = Path(tempfile.mkdtemp(prefix="ws-vllm-serve-lora-", dir="/var/tmp"))
-    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"), extra=LORA_SERVE_ARGS,
-                        env=LORA_SERVE_ENV)
-    try:
-        served.start().wait_ready()
-        yield served
-    finally:
-        served.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    yield from serve_tiny_llama("ws-vllm-serve-lora-", extra=LORA_SERVE_ARGS, env=LORA_SERVE_ENV)
     # vLLM kills its workers at exit: the next server on the host removes what they left
     AdapterFiles(f"/dev/shm/ws-next-server-{os.getpid()}", "policy", max_rank=8, keep=1).close()
     left = [path for path in STAGED if os.path.exists(path)]

@@ -40,15 +40,19 @@ def two_hosts(*modules: str) -> Iterator[TwoHostCluster]:
         yield made
 
 
-def serve_on_host_b(hosts: TwoHostCluster, prefix: str, **options: Any) -> Iterator[VLLMServer]:
-    """``vllm serve`` on host B from its own copy of the tiny Llama, stopped and removed
-    after (a module fixture's body); ``options`` go to :class:`VLLMServer`."""
+def serve_tiny_llama(prefix: str, **options: Any) -> Iterator[VLLMServer]:
+    """``vllm serve`` from its own copy of the tiny Llama, stopped and removed after (a
+    module fixture's body); ``options`` go to :class:`VLLMServer` (host, port, netns...)."""
     work = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
-    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"), host=ADDRESS_B,
-                        port=8000, netns=hosts.ns_b, **options)
+    served = VLLMServer(vm.save_model(vm.build_model(), work / "model"), **options)
     try:
         served.start().wait_ready()
         yield served
     finally:
         served.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def serve_on_host_b(hosts: TwoHostCluster, prefix: str, **options: Any) -> Iterator[VLLMServer]:
+    """:func:`serve_tiny_llama` on host B of ``hosts``."""
+    yield from serve_tiny_llama(prefix, host=ADDRESS_B, port=8000, netns=hosts.ns_b, **options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -179,45 +180,12 @@ def test_a_server_holding_the_host_token_cannot_join_the_ranks(board: str):
         lead.close()
 
 
-def test_a_rank_that_dies_while_the_hosts_fetch_is_named(tmp_path: Path):
-    """Rank 1 wrote its part and dies before the host fetched it: the host's fetch fails,
-    and rank 0's send raises ``TrainerRankLostError`` naming rank 1 (not only the host)."""
+def _fetch_fails_while_rank_1(tmp_path: Path, what: str) -> ws.TrainerRankLostError:
+    """Rank 1 writes its part of version 0; then, as the host starts to fetch, it is killed
+    (``what="dies"``) or suspended (``"stalls"``). Returns what rank 0's send raised."""
     key = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=net_ranks.member_main, args=(key, 1, TIMEOUT, results),
-                        daemon=True)
-    child.start()
-    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=torch.bfloat16, timeout=TIMEOUT, delta=True)
-    host = HostReceiver(tmp_path / "staged", 1, "host-b", TIMEOUT)
-
-    def deliver(version: int, addresses: list[str]) -> None:
-        child.kill()
-        child.join(TIMEOUT)
-        time.sleep(0.5)  # rank 0's board sees the connection end
-        host.stage(addresses, host_token(key), version, request_key("t", "0"), TIMEOUT)
-
-    try:
-        with pytest.raises(ws.TrainerRankLostError) as info:
-            lead.send(net_ranks.rank_flat(0, 0), 0, Deadline(TIMEOUT), deliver)
-        assert info.value.rank == 1 and "while the hosts fetched version 0" in str(info.value)
-        assert "cannot reach the trainer" in str(info.value)
-    finally:
-        lead.close()
-        host.close()
-        if child.is_alive():
-            child.kill()
-
-
-def test_a_rank_that_stalls_while_the_hosts_fetch_is_named(tmp_path: Path):
-    """Rank 1 wrote its part and is suspended (SIGSTOP) before the host fetched it: the
-    host's fetch times out, and rank 0's send raises ``TrainerRankLostError`` naming rank 1
-    as stalled (it stopped answering rank 0's pings), not only the host's error."""
-    import signal
-
-    key = secrets.token_hex(32)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = ctx.Queue()  # held here until the end: the child reports into it
     child = ctx.Process(target=net_ranks.member_main, args=(key, 1, TIMEOUT, results),
                         daemon=True)
     child.start()
@@ -226,16 +194,20 @@ def test_a_rank_that_stalls_while_the_hosts_fetch_is_named(tmp_path: Path):
 
     def deliver(version: int, addresses: list[str]) -> None:
         assert child.pid is not None
-        os.kill(child.pid, signal.SIGSTOP)
+        if what == "dies":
+            child.kill()
+            child.join(TIMEOUT)
+            time.sleep(0.5)  # rank 0's board sees the connection end
+        else:
+            os.kill(child.pid, signal.SIGSTOP)
         host.stage(addresses, host_token(key), version, request_key("t", "0"), 5.0)
 
     started = time.monotonic()
     try:
         with pytest.raises(ws.TrainerRankLostError) as info:
             lead.send(net_ranks.rank_flat(0, 0), 0, Deadline(TIMEOUT), deliver)
-        assert info.value.rank == 1 and "stopped answering" in str(info.value), info.value
-        assert "while the hosts fetched version 0" in str(info.value)
         assert time.monotonic() - started < TIMEOUT
+        return info.value
     finally:
         lead.close()
         host.close()
@@ -243,3 +215,19 @@ def test_a_rank_that_stalls_while_the_hosts_fetch_is_named(tmp_path: Path):
             os.kill(child.pid, signal.SIGCONT)
             child.kill()
 
+
+def test_a_rank_that_dies_while_the_hosts_fetch_is_named(tmp_path: Path):
+    """Rank 1 wrote its part and dies before the host fetched it: the host's fetch fails,
+    and rank 0's send raises ``TrainerRankLostError`` naming rank 1 (not only the host)."""
+    error = _fetch_fails_while_rank_1(tmp_path, "dies")
+    assert error.rank == 1 and "while the hosts fetched version 0" in str(error)
+    assert "cannot reach the trainer" in str(error)
+
+
+def test_a_rank_that_stalls_while_the_hosts_fetch_is_named(tmp_path: Path):
+    """Rank 1 wrote its part and is suspended (SIGSTOP) before the host fetched it: the
+    host's fetch times out, and rank 0's send raises ``TrainerRankLostError`` naming rank 1
+    as stalled (it stopped answering rank 0's pings), not only the host's error."""
+    error = _fetch_fails_while_rank_1(tmp_path, "stalls")
+    assert error.rank == 1 and "stopped answering" in str(error), error
+    assert "while the hosts fetched version 0" in str(error)
