@@ -278,7 +278,7 @@ def test_kernels_pair_lanes_with_their_own_weights(first_lane):
 @pytest.mark.parametrize("position", [0, 1, 4 * ck.BLOCK_LANES - 4, 4 * 3 * ck.BLOCK_LANES,
                                       4 * 5 * ck.BLOCK_LANES + 6])
 def test_sums_of_many_whole_blocks_give_the_torch_numbers(position):
-    """The sum kernel takes eight whole blocks at a time (weights chunk by chunk against
+    """The sum kernel takes several whole blocks at a time (weights chunk by chunk against
     each block): groups at any block number, after a partial block, from any byte address,
     with partial blocks after them, give the torch numbers."""
     if not ck.accelerated():

@@ -4,8 +4,9 @@ numba is installed: this module imports numba, so only ``core.checksum._kernels`
 The sum (``range_share``) reads two 32-bit lanes and their two 32-bit weights as one uint64
 word each and adds both 64-bit products, wrapping: LLVM vectorises it as ``vpmuludq``
 (32x32->64) on the words and on the words shifted right by 32, with no per-lane widening;
-and it sums eight whole blocks at a time, each 8 KiB of weights read from L1 against all
-eight, so the weights no longer stream from L2 beside the data. The fused copy
+and it sums four whole blocks at a time, each 8 KiB of weights read from L1 against all
+four, so the weights no longer stream from L2 beside the data (eight streams of data at
+once were less steady than four on a slot of 4 KiB pages read by two threads). The fused copy
 (``copy_share``) keeps one lane per step, widened: pairs and groups made it no faster
 there (its eight write streams slower).
 """
@@ -63,7 +64,7 @@ def _pairs_sum(values: Any, factors: Any) -> Any:
 #: Whole blocks summed together: each 8 KiB of weights (``_CHUNK_WORDS`` pairs) is read
 #: from L1 for this many blocks' lanes in turn, instead of the 256 KiB table from L2 beside
 #: every block (one load of data per load of weights).
-_GROUP_BLOCKS = 8
+_GROUP_BLOCKS = 4
 _CHUNK_WORDS = 1024
 
 
