@@ -26,14 +26,21 @@ def server() -> Iterator[VLLMServer]:
     yield from serve_tiny_llama("ws-vllm-serve-")
 
 
-def test_importing_the_backend_registers_the_trainer_engine_in_a_fresh_process():
-    """vLLM loads plugins only in its own processes: importing weightsync's backend must be
-    enough for a trainer's ``trainer_init`` to find the engine (and twice is harmless)."""
+@pytest.mark.parametrize("first", ["vllm", "weightsync"])
+def test_importing_the_backend_registers_the_trainer_engine_in_a_fresh_process(first: str):
+    """vLLM loads plugins only in its own processes: importing weightsync's vLLM package
+    must be enough for a trainer's ``trainer_init`` to find the engine, whether vLLM was
+    imported before it or after (importing weightsync does not import vLLM); twice is
+    harmless."""
     vllm_or_skip()
+    factory = "from vllm.distributed.weight_transfer import WeightTransferTrainerFactory as F\n"
     code = (
-        "from vllm.distributed.weight_transfer import WeightTransferTrainerFactory as F\n"
+        (factory if first == "vllm" else "")
+        + "import sys\n"
         "import weightsync.integrations.vllm\n"
-        "assert 'weightsync' in F._registry\n"
+        + ("assert 'vllm' not in sys.modules, 'importing weightsync imported vLLM'\n"
+           + factory if first == "weightsync" else "")
+        + "assert 'weightsync' in F._registry\n"
         "from weightsync.integrations.vllm import backend\n"
         "from weightsync.integrations.vllm.plugin import register\n"
         "register()\n"

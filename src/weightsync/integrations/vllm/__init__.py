@@ -22,21 +22,18 @@ Two ways in, both tested against a real vLLM engine (see docs/vllm.md):
       request = update_adapter(llm, "/dev/shm/policy")   # the newest version, as policy-v<N>
       llm.generate(prompts, params, lora_request=request)
 
-Importing this package does not import vLLM; where vLLM is imported already, it registers
-the ``weightsync`` backend with vLLM's factories (as importing ``backend`` always does), so
-``WeightTransferTrainerFactory.trainer_init`` finds it in any process.
+Importing this package does not import vLLM, and it registers the ``weightsync`` backend
+with vLLM's factories (as importing ``backend`` does): at once where vLLM's factories are
+imported already, else as soon as they are. So ``WeightTransferTrainerFactory.trainer_init``
+finds it in any process, whichever of the two was imported first.
 """
-
-import sys as _sys
 
 from weightsync.integrations.vllm.adapters import adapter_versions, update_adapter
 from weightsync.integrations.vllm.driver import connect_engine, engine_versions, update_engine
 from weightsync.integrations.vllm.extension import EXTENSION_CLS, WeightSyncWorkerExtension
+from weightsync.integrations.vllm.plugin import register_when_imported as _register
 
-if "vllm" in _sys.modules:
-    from weightsync.integrations.vllm.plugin import register as _register
-
-    _register()
+_register()
 
 __all__ = [
     "EXTENSION_CLS",
