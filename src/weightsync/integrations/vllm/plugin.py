@@ -48,7 +48,12 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
         if fullname != FACTORY_MODULE:
             return None
         remove_hook()
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in list(sys.meta_path):  # the finder that would have found it (pip's
+            find = getattr(finder, "find_spec", None)  # editable installs add their own)
+            spec = None if find is None else find(fullname, path, target)
+            if spec is not None:
+                break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader: Any = spec.loader
