@@ -161,6 +161,7 @@ FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
     # a real `vllm serve` (the default keeps vLLM engines in-process and its registration)
     ("tests/integrations/test_vllm_serve.py", "through_a_directory"),
+    ("tests/integrations/test_vllm_serve.py", "cached_before_an_update"),
     # TorchRL's LLM stack on a vLLM engine (its scheme's construction stays)
     ("tests/integrations/test_torchrl_llm.py", "test_llm_"),
     # Ray with deltas: one case (a replacement actor, whole chunks then deltas) stays

@@ -72,3 +72,39 @@ def test_trainer_drives_vllm_serve_through_a_directory(server: VLLMServer, direc
             assert greedy(server) == vm.transformers_greedy(vm.rounded_copy(trainer, torch.bfloat16))
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cached_server() -> Iterator[VLLMServer]:
+    """A second ``vllm serve`` with prefix caching on, as vLLM serves by default."""
+    vllm_or_skip()
+    yield from serve_tiny_llama("ws-vllm-serve-cached-", extra=("--enable-prefix-caching",))
+
+
+def test_a_prompt_cached_before_an_update_is_answered_by_the_new_weights(
+        cached_server: VLLMServer, directory: Path):
+    """With prefix caching on, a long prompt answered before an update leaves its blocks
+    (computed with the old weights) in the cache: ``send_weights()`` empties each server's
+    prefix cache before labelling the version, so the same prompt is then answered exactly
+    as the new weights answer it (without it the cached blocks mix the two versions)."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from weightsync.integrations.vllm.backend import WeightSyncTrainerInitInfo
+
+    long = [[(37 * i) % 500 + 3 for i in range(96)]]  # three full blocks of 32 tokens
+    trainer = vm.build_model()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightSyncTrainerInitInfo(rank=0, directory=str(directory), dtype="bfloat16"),
+        client=HTTPVLLMWeightSyncClient(cached_server.url, timeout=120),
+        source=ModuleSource(trainer))
+    try:
+        for step in (1, 2):
+            greedy(cached_server, prompts=long)  # its blocks stay in the prefix cache
+            vm.perturb(trainer, step)
+            engine.send_weights()
+            assert greedy(cached_server, prompts=long) == vm.transformers_greedy(
+                vm.rounded_copy(trainer, torch.bfloat16), long), step
+    finally:
+        engine.shutdown()
+

@@ -418,6 +418,10 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     adapter_root: str = "/dev/shm"
     adapter_keep: int = 4
     adapter_load: str = "inplace"
+    #: empty each ``vllm serve``'s prefix cache (``/reset_prefix_cache``) once it loaded a
+    #: version, before its label names it: cached blocks were computed with the old weights
+    #: (an adapter needs none: each version is served under a path of its own)
+    reset_prefix_cache: bool = True
 
 
 #: where a sharded trainer's ranks find their rank key when ``rank_key`` is not given
@@ -461,6 +465,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._adapter_init: dict[str, Any] = {}
         self._adapter_dirs: dict[int, str] = {}  # per server: where its host keeps versions
         self._adapter_load = "inplace"
+        self._reset_cache = True  # empty each HTTP server's prefix cache after a load
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -477,6 +482,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                                  f"adapter is small: gather it), got trainer_ranks={ranks}")
             return cls._sharded_init(init_info, ranks, client, source)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine._reset_cache = bool(init_info.reset_prefix_cache)
         if init_info.adapter:
             engine._start_adapter(init_info, source)
         weights = engine._materialise()
@@ -501,6 +507,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             "directory": init_info.directory, "timeout": init_info.timeout,
             "num_workers": init_info.num_workers, **engine._adapter_info(0),
         })
+        engine._reset_prefix_cache(client)
         engine._load_adapter(0, client)
         return engine
 
@@ -522,6 +529,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if init_info.delta:
             check_delta_available()
         engine = cls(client=client, source=source, is_sender=rank == 0)
+        engine._reset_cache = bool(init_info.reset_prefix_cache)
         engine.dtype = getattr(torch, init_info.dtype) if init_info.dtype else None
         engine.timeout = required_timeout(init_info.timeout, "timeout")
         options: dict[str, Any] = {"dtype": engine.dtype, "timeout": engine.timeout,
@@ -640,6 +648,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             info["addresses"] = list(self.addresses)
         client.init_weight_transfer_engine(info)
         self._round_inits.append(index)  # its host streamed the version once more
+        self._reset_prefix_cache(client)
 
     def _publisher(self) -> VersionPublisher:
         """This rank's listener (rank 0's own part, for a sharded trainer)."""
@@ -761,11 +770,29 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         client.update_weights({"version": version})
         try:
             self._load_adapter(index, client)
+            self._reset_prefix_cache(client)
         except BaseException:
             with contextlib.suppress(Exception):
                 client.finish_weight_update()  # end the server's update session, unlabelled
             raise
         client.finish_weight_update(weight_version=str(version))
+
+    def _reset_prefix_cache(self, client: Any) -> None:
+        """Empty an HTTP server's prefix cache once it loaded a version (its cached blocks,
+        and those of requests running now, were computed with the old weights); an
+        in-process client empties its engine's itself. Not in adapter mode."""
+        url = getattr(client, "base_url", None)
+        if not self._reset_cache or self.adapter is not None or url is None:
+            return
+        import requests
+
+        reply = requests.post(f"{url}/reset_prefix_cache", timeout=self.timeout,
+                              params={"reset_running_requests": "true"})
+        reply.raise_for_status()
+        if not reply.json().get("success", False):
+            raise WeightSyncError(
+                f"server {url} loaded version {self.version} but could not empty its prefix "
+                "cache (blocks still held); its cached prompts would mix two versions")
 
     def shutdown(self) -> None:
         if self.sender is not None:
