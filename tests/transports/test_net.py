@@ -69,22 +69,21 @@ def test_figures_settle_waits_for_a_verdict_still_being_read(
     """A host sends its verdict and goes on to load: the trainer can hear of the load before
     the stream's thread has read that verdict. ``figures(v, settle=...)`` waits for every
     stream of ``v`` that began; without it the stream is missing."""
-    import time
-
     from weightsync.transports.net import publisher as publisher_module
 
-    read = publisher_module.recv_frame
+    read, release = publisher_module.recv_frame, threading.Event()
 
-    def slow_verdict(conn):
+    def late_verdict(conn):
         frame = read(conn)
         if "ok" in frame:
-            time.sleep(0.5)  # the stream's thread is late to read the host's verdict
+            release.wait(10)  # the stream's thread is late to read the host's verdict
         return frame
 
-    monkeypatch.setattr(publisher_module, "recv_frame", slow_verdict)
+    monkeypatch.setattr(publisher_module, "recv_frame", late_verdict)
     publisher.publish(pack(_weights(), 0, torch.bfloat16))
     VersionFetcher("host-b").fetch(publisher.address, "secret-token", None, 10)
     assert publisher.figures(0) == []  # the verdict is not read yet
+    threading.Timer(0.3, release.set).start()
     settled = publisher.figures(0, settle=5.0)
     assert len(settled) == 1 and settled[0].chunks == 2 and settled[0].error is None
 
