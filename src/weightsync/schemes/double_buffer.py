@@ -130,7 +130,6 @@ class VLLMDoubleBufferSyncScheme(WeightSyncScheme):
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
     adapter = property(lambda self: self.config.adapter)
 
-
     def create_sender(self, rank: int | None = None) -> VLLMDoubleBufferWeightSender:
         """The sender of trainer rank ``rank`` (``0..trainer_ranks-1``; None: 0 for an
         unsharded trainer, else this process's torch.distributed rank). A sharded trainer's

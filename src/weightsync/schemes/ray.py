@@ -181,7 +181,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
     delta = property(lambda self: self.config.delta)
     trainer_ranks = property(lambda self: self.config.trainer_ranks)
 
-
     def create_sender(
         self, workers: Sequence[Any] | Mapping[int, Any] | None = None, *,
         rank: int | None = None,
