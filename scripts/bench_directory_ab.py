@@ -1,24 +1,36 @@
 """The directory's commit (``update_weights``) and a copy-mode reader's apply (``poll``) at
-400 MB of random fp32 in /dev/shm, beside a memcpy of the same size timed right after each
-apply: medians of 20 rounds after 4 warm ones. Run it with ``PYTHONPATH`` pointing at two
-builds' ``src`` in turn (e.g. a ``git worktree`` of an older commit) to compare them on
-one machine."""
+400 MB of random fp32 in /dev/shm, each beside a memcpy of the same size timed right after
+it in the same round: the figure is the median over rounds of each round's ratio, so a
+neighbour's load that slows a whole round cancels out.
 
+``python scripts/bench_directory_ab.py`` measures the build on ``PYTHONPATH``.
+``python scripts/bench_directory_ab.py --builds A/src B/src --runs 8`` runs each build's
+``src`` (e.g. a ``git worktree`` of an older commit) in a fresh process, in turn, ``--runs``
+times, and prints each build's runs and the median of its runs' figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from weightsync import VLLMDoubleBufferSyncScheme
-from weightsync.bench.local import make_model
-
 NBYTES = 400_000_000
 
 
-def main() -> None:
+def measure(rounds: int, warm: int) -> dict[str, float]:
+    """Time ``rounds`` commits and applies in this process; ratios and medians in ms."""
+    import torch
+
+    from weightsync import VLLMDoubleBufferSyncScheme
+    from weightsync.bench.local import make_model
+
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     weights = dict(make_model(NBYTES).state_dict())
     gen = torch.Generator().manual_seed(0)
@@ -31,28 +43,78 @@ def main() -> None:
     receiver = scheme.create_receiver(0)
     receiver.register_model(make_model(NBYTES))
     src, dst = torch.ones(NBYTES, dtype=torch.uint8), torch.zeros(NBYTES, dtype=torch.uint8)
-    update, apply, memcpy = [], [], []
+    commit, apply, memcpy_c, memcpy_a = [], [], [], []
     try:
-        for i in range(24):
+        for i in range(warm + rounds):
             t0 = time.perf_counter()
             sender.update_weights()
             t1 = time.perf_counter()
-            receiver.poll()
-            t2 = time.perf_counter()
             dst.copy_(src)
+            t2 = time.perf_counter()
+            receiver.poll()
             t3 = time.perf_counter()
-            if i >= 4:
-                update.append(t1 - t0)
-                apply.append(t2 - t1)
-                memcpy.append(t3 - t2)
+            dst.copy_(src)
+            t4 = time.perf_counter()
+            if i >= warm:
+                commit.append(t1 - t0)
+                memcpy_c.append(t2 - t1)
+                apply.append(t3 - t2)
+                memcpy_a.append(t4 - t3)
     finally:
         receiver.close()
         sender.close()
         shutil.rmtree(root, ignore_errors=True)
     m = statistics.median
-    print(f"update {m(update) * 1e3:.1f} ms ({m(update) / m(memcpy):.2f}x memcpy)  "
-          f"apply {m(apply) * 1e3:.1f} ms ({m(apply) / m(memcpy):.2f}x)  "
-          f"memcpy {m(memcpy) * 1e3:.1f} ms")
+    return {
+        "commit_x": m([c / b for c, b in zip(commit, memcpy_c, strict=True)]),
+        "apply_x": m([a / b for a, b in zip(apply, memcpy_a, strict=True)]),
+        "commit_ms": m(commit) * 1e3,
+        "apply_ms": m(apply) * 1e3,
+        "memcpy_ms": m(memcpy_c + memcpy_a) * 1e3,
+    }
+
+
+def line(figures: dict[str, float]) -> str:
+    return (f"commit {figures['commit_x']:.2f}x memcpy ({figures['commit_ms']:.1f} ms)  "
+            f"apply {figures['apply_x']:.2f}x ({figures['apply_ms']:.1f} ms)  "
+            f"memcpy {figures['memcpy_ms']:.1f} ms")
+
+
+def compare(builds: list[str], runs: int, rounds: int, warm: int) -> None:
+    """Each build in a fresh process, in turn; each build's runs, then their medians."""
+    found: dict[str, list[dict[str, float]]] = {build: [] for build in builds}
+    for run in range(runs):
+        for build in builds:
+            env = dict(os.environ, PYTHONPATH=str(Path(build).resolve()))
+            out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds), "--warm",
+                                  str(warm), "--json"], env=env, check=True,
+                                 capture_output=True, text=True, timeout=600).stdout
+            figures = json.loads(out.strip().splitlines()[-1])
+            found[build].append(figures)
+            print(f"run {run + 1} {build}: {line(figures)}", flush=True)
+    for build, all_runs in found.items():
+        keys = all_runs[0].keys()
+        med = {key: statistics.median(r[key] for r in all_runs) for key in keys}
+        spread = {key: (min(r[key] for r in all_runs), max(r[key] for r in all_runs))
+                  for key in ("commit_x", "apply_x")}
+        print(f"{build}: median of {runs} runs: {line(med)}; commit {spread['commit_x'][0]:.2f}-"
+              f"{spread['commit_x'][1]:.2f}x, apply {spread['apply_x'][0]:.2f}-"
+              f"{spread['apply_x'][1]:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--builds", nargs="*", help="src folders to compare, in turn")
+    parser.add_argument("--runs", type=int, default=6, help="processes per build (--builds)")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warm", type=int, default=4)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+    if args.builds:
+        compare(args.builds, args.runs, args.rounds, args.warm)
+        return
+    figures = measure(args.rounds, args.warm)
+    print(json.dumps(figures) if args.json else line(figures))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -85,6 +87,72 @@ def test_a_sum_split_across_threads_gives_the_same_number(monkeypatch, threads):
         data = _random(5 * ck.BLOCK_LANES + 4099, threads)
         for start, position in ((0, 0), (1, 1), (3, 4 * ck.BLOCK_LANES - 2), (2, 7)):
             assert ck.share(data[start:], position) == ck.torch_share(data[start:], position)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_thread_that_starts_late_leaves_its_stretches_to_the_others(monkeypatch):
+    """Threads take stretches in turn: a helper held back (as by a core still busy with
+    torch's workers after an op) does less, the caller more, and every item still gets its
+    own total (with one stretch per thread, the caller waited for the helper's half)."""
+    monkeypatch.setattr(ck, "STRETCH_BYTES", 64)
+    sizes, caller = [100, 3, 797, 380], threading.get_ident()
+    done: list[tuple[bool, int, int, int]] = []
+    release = threading.Event()
+
+    def part(item: int, lo: int, hi: int) -> int:
+        if threading.get_ident() != caller:
+            release.wait(10)  # the helper starts only once the caller took every stretch
+        done.append((threading.get_ident() == caller, item, lo, hi))
+        if len([d for d in done if d[0]]) >= 19:
+            release.set()
+        return (item + 1) * (hi - lo)
+
+    assert ck._spread(sizes, part, 2) == [(item + 1) * size for item, size in enumerate(sizes)]
+    by_caller = sum(hi - lo for mine, _, lo, hi in done if mine)
+    assert by_caller >= sum(sizes) - 64, done  # the helper took one stretch at most
+    covered = sorted((item, lo, hi) for _, item, lo, hi in done)
+    for item, size in enumerate(sizes):  # each item's bytes once, none twice
+        ranges = [(lo, hi) for i, lo, hi in covered if i == item]
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_an_error_on_a_helper_stops_the_others_and_reaches_the_caller(monkeypatch):
+    monkeypatch.setattr(ck, "STRETCH_BYTES", 64)
+    caller, calls = threading.get_ident(), []
+
+    def part(item: int, lo: int, hi: int) -> int:
+        calls.append(lo)
+        if threading.get_ident() != caller:
+            raise IntegrityError("helper failed")
+        time.sleep(0.002)
+        return 0
+
+    with pytest.raises(IntegrityError, match="helper failed"):
+        ck._spread([64 * 200], part, 2)
+    assert len(calls) < 200  # the caller stopped taking stretches once the helper failed
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_many_stretches_across_threads_give_the_same_numbers(monkeypatch, threads):
+    """Stretches of 640 bytes (cut inside lanes, weights' blocks and pieces), taken by
+    threads in turn: the sum and the fused copy give the reference's numbers."""
+    if not ck.accelerated():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(ck, "PARALLEL_BYTES", 4096)
+    monkeypatch.setattr(ck, "STRETCH_BYTES", 640)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = _random(2 * ck.BLOCK_LANES + 4099, threads)
+        for start, position in ((0, 0), (3, 4 * ck.BLOCK_LANES - 2)):
+            assert ck.share(data[start:], position) == ck.torch_share(data[start:], position)
+        pieces = [(_random(n, n), torch.zeros(n, dtype=torch.uint8), position)
+                  for n, position in ((5001, 3), (77, 0), (ck.BLOCK_LANES + 13, 9))]
+        expected = [ck.torch_share(source, position) for source, _, position in pieces]
+        assert ck.copy_shares(pieces) == expected
+        assert all(torch.equal(source, target) for source, target, _ in pieces)
     finally:
         torch.set_num_threads(before)
 

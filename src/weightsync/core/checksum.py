@@ -317,12 +317,20 @@ def _copy_then_share(source: torch.Tensor, target: torch.Tensor, position: int) 
     return total & _MASK
 
 
+#: the most bytes a thread takes at a time from a spread sum: small enough that a thread
+#: which starts late or runs slow (its core busy, e.g. with torch's workers spinning after
+#: an op) leaves the rest of its share to the others, large enough that a call's overhead
+#: is nothing
+STRETCH_BYTES = 4 << 20
+
+
 def _spread(sizes: Sequence[int], part: Callable[[int, int, int], int], parts: int) -> list[int]:
-    """``part(item, lo, hi)`` over bytes ``lo..hi`` of items of ``sizes``, all their bytes
-    cut into ``parts`` stretches of about equal length, one per thread; each item's
-    total (mod 2**64). A thread's stretch may cover the end of one item and the start of
-    the next: it passes each its own range (their positions are absolute, so any cut adds
-    up)."""
+    """``part(item, lo, hi)`` over bytes ``lo..hi`` of items of ``sizes`` on ``parts``
+    threads (the caller's among them), each item's total (mod 2**64). All the items' bytes
+    are cut into stretches (:data:`STRETCH_BYTES` at most, one per thread if smaller) that
+    the threads take in turn until none is left, so a thread that starts late does less. A
+    stretch may cover the end of one item and the start of the next: each gets its own
+    range (positions are absolute, so any cut adds up)."""
     results = [0] * len(sizes)
     total = sum(sizes)
     if parts <= 1 or total == 0:
@@ -331,20 +339,29 @@ def _spread(sizes: Sequence[int], part: Callable[[int, int, int], int], parts: i
                 results[item] = int(part(item, 0, size)) & _MASK
         return results
     starts = list(itertools.accumulate(sizes, initial=0))
-    cuts = [total * k // parts // 64 * 64 for k in range(parts)] + [total]
+    stretch = max(64, min(STRETCH_BYTES, total // parts // 64 * 64))
+    cuts = [*range(0, total, stretch), total]
+    parts = min(parts, len(cuts) - 1)
+    taken, lock = itertools.count(), threading.Lock()  # each stretch is taken once
     partial: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
     errors: list[BaseException] = []
 
+    def take() -> int:
+        with lock:
+            return next(taken)
+
     def run(k: int) -> None:
         try:
-            lo, hi = cuts[k], cuts[k + 1]
-            item = bisect.bisect_right(starts, lo) - 1
-            while lo < hi and item < len(sizes):
-                end = min(hi, starts[item + 1])
-                if end > lo:
-                    partial[k].append((item, int(part(item, lo - starts[item], end - starts[item]))))
-                lo = end
-                item += 1
+            while not errors and (index := take()) < len(cuts) - 1:
+                lo, hi = cuts[index], cuts[index + 1]
+                item = bisect.bisect_right(starts, lo) - 1
+                while lo < hi and item < len(sizes):
+                    end = min(hi, starts[item + 1])
+                    if end > lo:
+                        partial[k].append((item, int(part(item, lo - starts[item],
+                                                          end - starts[item]))))
+                    lo = end
+                    item += 1
         except BaseException as exc:  # re-raised in the caller's thread below
             errors.append(exc)
 
