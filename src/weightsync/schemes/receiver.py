@@ -3,9 +3,10 @@
 A :class:`WeightReceiver` is handed its transport's :class:`~weightsync.core.endpoints.WeightReader`
 and owns what every transport shares: the registered model (resolved again at each apply),
 the version it holds, one deadline per call, and the apply lock that keeps ``close()``
-(from any thread) from releasing memory an apply is reading. ``close()`` cancels the
-deadline of a ``connect()`` in progress, so a worker shut down while it waits for its
-trainer stops waiting at once. A version is applied only
+(from any thread) from releasing memory an apply is reading; a ``close()`` from a signal
+handler that interrupted the applying thread itself leaves the release to the moment the
+apply ends. ``close()`` cancels the deadline of a ``connect()`` in progress, so a worker
+shut down while it waits for its trainer stops waiting at once. A version is applied only
 inside ``connect()``, ``poll()`` and ``receive()``: never behind the worker's back.
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -39,6 +41,38 @@ _WAIT_SLICE = 0.05
 _CLOSE_WAIT = 10.0
 
 
+class _ApplyLock:
+    """The apply lock, knowing which threads hold it or wait for it: a ``close()`` that a
+    signal handler runs in such a thread cannot wait for the lock (its own thread holds it,
+    mid-apply), so it leaves the release to ``on_free``, called as that thread lets go."""
+
+    def __init__(self, on_free: Callable[[], None]) -> None:
+        self.lock = threading.Lock()
+        self._threads: set[int] = set()
+        self._on_free = on_free
+
+    def held_here(self) -> bool:
+        """Does this thread hold the lock, or wait for it?"""
+        return threading.get_ident() in self._threads
+
+    def __enter__(self) -> None:
+        self._threads.add(threading.get_ident())  # before the acquire: no gap for a handler
+        try:
+            self.lock.acquire()
+        except BaseException:  # a signal handler raised while this thread waited
+            self._leave()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        self._threads.discard(threading.get_ident())
+        self._on_free()
+
+
 class WeightReceiver(Closable):
     """Worker side: holds one model and applies whole versions to it, only when asked.
     Created by ``scheme.create_receiver(worker_idx)``."""
@@ -53,12 +87,13 @@ class WeightReceiver(Closable):
         self._dest: dict[str, torch.Tensor] | None = None
         self._version = NO_VERSION
         # held while a version is applied: close() waits for it
-        self._apply_lock = threading.Lock()
-        self._connect_ended = threading.Condition(self._apply_lock)
+        self._apply_lock = _ApplyLock(on_free=self._release_if_left)
+        self._connect_ended = threading.Condition(self._apply_lock.lock)
         # the deadline of each connect() in progress, by thread: close() cancels them
         self._connecting: dict[int, Deadline] = {}
         self._closed = False
         self._released = False  # the reader is closed (by close(), or by a connect() it cut short)
+        self._release_left = False  # a close() in a signal handler left the release to its thread
         self._forked_copy = False
         track_for_fork(self)
 
@@ -251,7 +286,9 @@ class WeightReceiver(Closable):
         """Leave the sender (a clean goodbye, not a loss) and release everything; waits for
         an apply in progress in another thread. Callable from any thread or a signal
         handler: a ``connect()`` still waiting (for a trainer not started yet, or its first
-        version) is cut short and raises RuntimeError ("this receiver is closed")."""
+        version) is cut short and raises RuntimeError ("this receiver is closed"); a handler
+        that interrupted this thread's own ``poll()`` or ``receive()`` returns at once, and
+        the apply under way finishes, then releases."""
         if self._closed:
             return
         self._closed = True
@@ -259,6 +296,20 @@ class WeightReceiver(Closable):
             deadline.cancel()                               # connect() in this very thread
         if threading.get_ident() in self._connecting:
             return  # a signal handler in the connecting thread: connect() releases as it ends
+        if self._apply_lock.held_here():  # a signal handler in a poll(), receive() or apply:
+            self._release_left = True     # released as this thread lets the lock go
+            return
+        self._release_when_free()
+
+    def _release_if_left(self) -> None:
+        """Do the release a ``close()`` left to the moment the apply lock was let go."""
+        if self._release_left and not self._apply_lock.held_here():
+            self._release_left = False
+            self._release_when_free()
+
+    def _release_when_free(self) -> None:
+        """Wait for the ``connect()`` calls in progress to end (their deadlines cancelled)
+        and release; past :data:`_CLOSE_WAIT`, the last of them releases as it returns."""
         waited = Deadline(_CLOSE_WAIT)
         with self._connect_ended:
             while self._connecting and not waited.expired():
