@@ -1,5 +1,5 @@
 """The directory's commit (``update_weights``) and a copy-mode reader's apply (``poll``) at
-400 MB of random fp32 in /dev/shm, each beside a memcpy of the same size timed right after
+400 MB (``--mb``) of random fp32 in /dev/shm, each beside a memcpy of the same size timed right after
 it in the same round: the figure is the median over rounds of each round's ratio, so a
 neighbour's load that slows a whole round cancels out.
 
@@ -21,18 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
-NBYTES = 400_000_000
 
-
-def measure(rounds: int, warm: int) -> dict[str, float]:
-    """Time ``rounds`` commits and applies in this process; ratios and medians in ms."""
+def measure(nbytes: int, rounds: int, warm: int) -> dict[str, float]:
+    """Time ``rounds`` commits and applies of ``nbytes`` in this process: the medians of
+    each round's ratio to its memcpy, and the medians in ms."""
     import torch
 
     from weightsync import VLLMDoubleBufferSyncScheme
     from weightsync.bench.local import make_model
 
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    weights = dict(make_model(NBYTES).state_dict())
+    weights = dict(make_model(nbytes).state_dict())
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for tensor in weights.values():
@@ -41,8 +40,8 @@ def measure(rounds: int, warm: int) -> dict[str, float]:
     sender = scheme.create_sender()
     sender.register_model(weights)
     receiver = scheme.create_receiver(0)
-    receiver.register_model(make_model(NBYTES))
-    src, dst = torch.ones(NBYTES, dtype=torch.uint8), torch.zeros(NBYTES, dtype=torch.uint8)
+    receiver.register_model(make_model(nbytes))
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     commit, apply, memcpy_c, memcpy_a = [], [], [], []
     try:
         for i in range(warm + rounds):
@@ -80,19 +79,18 @@ def line(figures: dict[str, float]) -> str:
             f"memcpy {figures['memcpy_ms']:.1f} ms")
 
 
-def compare(builds: list[str], runs: int, rounds: int, warm: int) -> None:
+def compare(builds: list[str], runs: int, args: list[str]) -> None:
     """Each build in a fresh process, in turn; each build's runs, then their medians."""
-    found: dict[str, list[dict[str, float]]] = {build: [] for build in builds}
+    found: list[list[dict[str, float]]] = [[] for _ in builds]  # a build named twice: twice
     for run in range(runs):
-        for build in builds:
+        for index, build in enumerate(builds):
             env = dict(os.environ, PYTHONPATH=str(Path(build).resolve()))
-            out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds), "--warm",
-                                  str(warm), "--json"], env=env, check=True,
+            out = subprocess.run([sys.executable, __file__, *args, "--json"], env=env, check=True,
                                  capture_output=True, text=True, timeout=600).stdout
             figures = json.loads(out.strip().splitlines()[-1])
-            found[build].append(figures)
+            found[index].append(figures)
             print(f"run {run + 1} {build}: {line(figures)}", flush=True)
-    for build, all_runs in found.items():
+    for build, all_runs in zip(builds, found, strict=True):
         keys = all_runs[0].keys()
         med = {key: statistics.median(r[key] for r in all_runs) for key in keys}
         spread = {key: (min(r[key] for r in all_runs), max(r[key] for r in all_runs))
@@ -106,14 +104,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--builds", nargs="*", help="src folders to compare, in turn")
     parser.add_argument("--runs", type=int, default=6, help="processes per build (--builds)")
+    parser.add_argument("--mb", type=int, default=400, help="model size, MB (10**6 bytes)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warm", type=int, default=4)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if args.builds:
-        compare(args.builds, args.runs, args.rounds, args.warm)
+        compare(args.builds, args.runs,
+                ["--mb", str(args.mb), "--rounds", str(args.rounds), "--warm", str(args.warm)])
         return
-    figures = measure(args.rounds, args.warm)
+    figures = measure(args.mb * 1_000_000, args.rounds, args.warm)
     print(json.dumps(figures) if args.json else line(figures))
 
 

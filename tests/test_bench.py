@@ -184,3 +184,23 @@ def test_checksum_bench_script_prints_both_functions_side_by_side():
     for step in ("checksum alone", "commit pack (copy + checksum)", "verify (`bucket_checksums`)"):
         cells = rows[step]
         assert len(cells) == 7 and all(float(cell.strip(" |")) > 0 for cell in cells[1:]), cells
+
+
+def test_directory_ab_script_compares_builds_in_turn():
+    """scripts/bench_directory_ab.py (quoted by docs/performance.md) runs a build's commit
+    and apply beside their memcpy, in fresh processes, build by build, and sums them up."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    src = str(root / "src")
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_directory_ab.py"),
+                           "--builds", src, src, "--runs", "1", "--mb", "4", "--rounds", "2",
+                           "--warm", "1"], capture_output=True, text=True, timeout=300, check=True)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4, done.stdout
+    assert all(line.startswith(f"run 1 {src}: commit ") for line in lines[:2]), lines
+    for line in lines[2:]:
+        assert line.startswith(f"{src}: median of 1 runs: commit ") and "x memcpy" in line, line
+        ratio = float(line.split("commit ")[1].split("x")[0])
+        assert ratio > 0, line
