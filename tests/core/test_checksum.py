@@ -120,18 +120,20 @@ def test_a_thread_that_starts_late_leaves_its_stretches_to_the_others(monkeypatc
 
 def test_an_error_on_a_helper_stops_the_others_and_reaches_the_caller(monkeypatch):
     monkeypatch.setattr(ck, "STRETCH_BYTES", 64)
-    caller, calls = threading.get_ident(), []
+    caller, calls, failed = threading.get_ident(), [], threading.Event()
 
     def part(item: int, lo: int, hi: int) -> int:
         calls.append(lo)
         if threading.get_ident() != caller:
+            failed.set()
             raise IntegrityError("helper failed")
-        time.sleep(0.002)
+        failed.wait(10)  # the caller's stretches end once the helper has failed (and the
+        time.sleep(0.05)  # helper had time to record it)
         return 0
 
     with pytest.raises(IntegrityError, match="helper failed"):
         ck._spread([64 * 200], part, 2)
-    assert len(calls) < 200  # the caller stopped taking stretches once the helper failed
+    assert len(calls) < 10  # the caller stopped taking stretches (200 in all)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
