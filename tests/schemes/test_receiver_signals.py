@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 _SCRIPT = textwrap.dedent("""
-    import os, signal, sys, tempfile
+    import os, shutil, signal, sys, tempfile
     from pathlib import Path
     import torch
     from weightsync import VLLMDoubleBufferSyncScheme
@@ -56,6 +56,7 @@ _SCRIPT = textwrap.dedent("""
     except RuntimeError as exc:
         print("then:", exc)
     sender.close()
+    shutil.rmtree(root)
 """)
 
 
