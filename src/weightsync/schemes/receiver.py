@@ -303,7 +303,7 @@ class WeightReceiver(Closable):
 
     def _release_if_left(self) -> None:
         """Do the release a ``close()`` left to the moment the apply lock was let go."""
-        if self._release_left and not self._apply_lock.held_here():
+        if self._release_left:
             self._release_left = False
             self._release_when_free()
 
