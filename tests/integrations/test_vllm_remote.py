@@ -12,10 +12,13 @@ import torch
 from weightsync.core.errors import SchemaMismatchError
 from weightsync.integrations.vllm.remote import HostReceiver, request_key
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
+from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import pack
 from weightsync.transports.net.publisher import VersionPublisher
 
 pytest.importorskip("zstandard")
+
+CRED = host_credential("token", "host-b")
 
 TIMEOUT = 10.0
 
@@ -52,20 +55,20 @@ def test_a_new_trainer_session_with_another_dtype_is_staged_at_its_init(tmp_path
     host = HostReceiver(tmp_path / "staged", 1, "host-b", TIMEOUT)
     first = _session(None, _weights(0))
     try:
-        local = host.stage(first.address, "token", None, request_key("t1", "init/a"), TIMEOUT,
+        local = host.stage(first.address, CRED, None, request_key("t1", "init/a"), TIMEOUT,
                            new_session=True)
         assert torch.equal(_read(tmp_path / "staged", local, torch.float32)["w"], _weights(0)["w"])
     finally:
         first.close()
     second = _session(torch.bfloat16, _weights(1))
     try:
-        local = host.stage(second.address, "token", None, request_key("t2", "init/a"), TIMEOUT,
+        local = host.stage(second.address, CRED, None, request_key("t2", "init/a"), TIMEOUT,
                            new_session=True)
         got = _read(tmp_path / "staged", local, torch.bfloat16)
         assert torch.equal(got["w"], _weights(1)["w"].to(torch.bfloat16))
         second.publish(pack(_weights(2), 1, torch.float32))  # another layout mid-session
         with pytest.raises(SchemaMismatchError):
-            host.stage(second.address, "token", 1, request_key("t2", "version/1"), TIMEOUT)
+            host.stage(second.address, CRED, 1, request_key("t2", "version/1"), TIMEOUT)
     finally:
         second.close()
         host.close()

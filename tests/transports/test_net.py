@@ -13,11 +13,15 @@ import torch
 from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
 from weightsync.transports.local.auth import HandshakeError
 from weightsync.transports.net.fetch import VersionFetcher
+from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import pack
 from weightsync.transports.net.publisher import VersionPublisher
 from weightsync.transports.net.wire import CHUNK_BYTES
 
 pytest.importorskip("zstandard")
+
+#: what the trainer of "secret-token" hands the host named "host-b"
+CRED = host_credential("secret-token", "host-b")
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,18 +54,18 @@ def test_whole_then_delta_versions_arrive_exact(publisher: VersionPublisher):
     fetcher = VersionFetcher("host-b")
     w0 = _weights()
     publisher.publish(pack(w0, 0, torch.bfloat16))
-    _equal(fetcher.fetch(publisher.address, "secret-token", None, 10), w0)
+    _equal(fetcher.fetch(publisher.address, CRED, None, 10), w0)
     assert fetcher.last_kinds == {"whole": 2}
     first = publisher.wait_streams(0, 1, 5)[0]
     assert first.error is None and first.delta_chunks == 0 and first.wire_bytes > CHUNK_BYTES
     w1 = _step(w0)
     publisher.publish(pack(w1, 1, torch.bfloat16))
-    _equal(fetcher.fetch(publisher.address, "secret-token", 1, 10), w1)
+    _equal(fetcher.fetch(publisher.address, CRED, 1, 10), w1)
     figures = publisher.wait_streams(1, 1, 5)[0]
     assert figures.delta_chunks == 2 and figures.wire_bytes < 20_000, figures
     assert fetcher.last_kinds.get("whole", 0) == 0
     with pytest.raises(WeightSyncError, match="has no version 7"):
-        fetcher.fetch(publisher.address, "secret-token", 7, 10)
+        fetcher.fetch(publisher.address, CRED, 7, 10)
 
 
 def test_figures_settle_waits_for_a_verdict_still_being_read(
@@ -73,15 +77,15 @@ def test_figures_settle_waits_for_a_verdict_still_being_read(
 
     read, release = publisher_module.recv_frame, threading.Event()
 
-    def late_verdict(conn):
-        frame = read(conn)
+    def late_verdict(conn, *args, **kwargs):
+        frame = read(conn, *args, **kwargs)
         if "ok" in frame:
             release.wait(10)  # the stream's thread is late to read the host's verdict
         return frame
 
     monkeypatch.setattr(publisher_module, "recv_frame", late_verdict)
     publisher.publish(pack(_weights(), 0, torch.bfloat16))
-    VersionFetcher("host-b").fetch(publisher.address, "secret-token", None, 10)
+    VersionFetcher("host-b").fetch(publisher.address, CRED, None, 10)
     assert publisher.figures(0) == []  # the verdict is not read yet
     threading.Timer(0.3, release.set).start()
     settled = publisher.figures(0, settle=5.0)
@@ -92,7 +96,7 @@ def test_a_host_without_the_base_gets_whole_chunks(publisher: VersionPublisher):
     publisher.publish(pack(_weights(), 0, torch.bfloat16))
     publisher.publish(pack(_step(_weights()), 1, torch.bfloat16))
     fresh = VersionFetcher("restarted")
-    _equal(fresh.fetch(publisher.address, "secret-token", 1, 10), _step(_weights()))
+    _equal(fresh.fetch(publisher.address, CRED, 1, 10), _step(_weights()))
     assert fresh.last_kinds == {"whole": 2}
 
 
@@ -106,7 +110,7 @@ def test_metadata_travels_with_the_version_and_is_checked(publisher: VersionPubl
     packed = plan(_weights(), 0, torch.bfloat16, metadata=meta)
     packed.fill(_weights())
     publisher.publish(packed)
-    got = VersionFetcher("host-b").fetch(publisher.address, "secret-token", None, 10)
+    got = VersionFetcher("host-b").fetch(publisher.address, CRED, None, 10)
     assert got.metadata == meta
     _equal(got, _weights())
     assert parse_metadata({}) == {}
@@ -117,7 +121,8 @@ def test_metadata_travels_with_the_version_and_is_checked(publisher: VersionPubl
 def test_a_wrong_token_is_refused_both_ways(publisher: VersionPublisher):
     publisher.publish(pack(_weights(), 0))
     with pytest.raises(SenderLostError, match="wrong token|closed"):
-        VersionFetcher("intruder").fetch(publisher.address, "guess", None, 10)
+        VersionFetcher("intruder").fetch(publisher.address, host_credential("guess", "host-b"),
+                                         None, 10)
     assert publisher.figures(0) == []  # nothing streamed
     # an impostor at the trainer's address cannot prove the token either
     with socket.create_server(("127.0.0.1", 0)) as fake:
@@ -129,24 +134,24 @@ def test_a_wrong_token_is_refused_both_ways(publisher: VersionPublisher):
                 from weightsync.transports.net.handshake import accept_peer
 
                 with pytest.raises(HandshakeError):
-                    accept_peer(conn, "another-token")
+                    accept_peer(conn, "another-token")  # not the victim's trainer
 
         thread = threading.Thread(target=impostor)
         thread.start()
         with pytest.raises(SenderLostError):
-            VersionFetcher("victim").fetch(address, "secret-token", None, 10)
+            VersionFetcher("victim").fetch(address, CRED, None, 10)
         thread.join(10)
 
 
 def test_a_corrupted_chunk_is_refused_and_the_base_kept(publisher: VersionPublisher):
     fetcher = VersionFetcher("host-b")
     publisher.publish(pack(_weights(), 0, torch.bfloat16))
-    fetcher.fetch(publisher.address, "secret-token", None, 10)
+    fetcher.fetch(publisher.address, CRED, None, 10)
     bad = pack(_step(_weights()), 1, torch.bfloat16)
     bad.checksums[1] ^= 1
     publisher.publish(bad)
     with pytest.raises(IntegrityError, match="chunk 1 of version 1"):
-        fetcher.fetch(publisher.address, "secret-token", 1, 10)
+        fetcher.fetch(publisher.address, CRED, 1, 10)
     assert fetcher.base is not None and fetcher.base.version == 0
     assert "checksum" in (publisher.wait_streams(1, 1, 5)[0].error or "")
 
@@ -166,11 +171,11 @@ def test_a_trainer_gone_mid_version_is_a_named_error():
     pub._send_chunk = dies  # type: ignore[method-assign]
     try:
         with pytest.raises(SenderLostError, match="broke during version"):
-            VersionFetcher("host-b").fetch(address, "t", None, 10)
+            VersionFetcher("host-b").fetch(address, host_credential("t", "host-b"), None, 10)
     finally:
         pub.close()
     with pytest.raises(SenderLostError, match="cannot reach the trainer"):
-        VersionFetcher("host-b").fetch(address, "t", None, 2)
+        VersionFetcher("host-b").fetch(address, host_credential("t", "host-b"), None, 2)
 
 
 def test_a_version_streams_while_the_trainer_packs_it(publisher: VersionPublisher):
@@ -186,7 +191,7 @@ def test_a_version_streams_while_the_trainer_packs_it(publisher: VersionPublishe
     got: dict[str, object] = {}
     fetcher = VersionFetcher("host-b")
     thread = threading.Thread(target=lambda: got.update(
-        v=fetcher.fetch(publisher.address, "secret-token", None, 10)))
+        v=fetcher.fetch(publisher.address, CRED, None, 10)))
     thread.start()
     time.sleep(0.3)
     assert thread.is_alive()  # waiting for the first chunk
@@ -198,6 +203,6 @@ def test_a_version_streams_while_the_trainer_packs_it(publisher: VersionPublishe
         spare = publisher.spare_buffer(nbytes)
         publisher.publish(nxt := plan(weights, version, torch.bfloat16, spare))
         nxt.fill(weights)
-        fetcher.fetch(publisher.address, "secret-token", version, 10)
+        fetcher.fetch(publisher.address, CRED, version, 10)
         if version == 3:  # version 0 retired when 2 was published: its buffer came back
             assert spare is not None and spare.data_ptr() == packed.buffer.data_ptr()

@@ -22,6 +22,7 @@ import weightsync as ws
 from weightsync.core.deadline import Deadline
 from weightsync.integrations.vllm.remote import HostReceiver, request_key
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
+from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.sharded import NetRankLead, NetRankMember, board_address, host_token
 
 pytest.importorskip("zstandard")
@@ -62,7 +63,7 @@ def test_two_ranks_stream_their_own_rows_to_a_host(tmp_path: Path, board: str):
 
     def deliver(version: int, addresses: list[str]) -> None:
         assert len(set(addresses)) == 2  # one listener per rank: each rank's bytes go direct
-        staged[version] = host.stage(addresses, host_token(key), version,
+        staged[version] = host.stage(addresses, host_credential(host_token(key), "host-a"), version,
                                      request_key("t", str(version)), TIMEOUT)
         kinds.append(host.sharded.last_kinds)
 
@@ -122,7 +123,7 @@ def test_a_lost_rank_fails_the_version_and_the_next_takes_its_number(tmp_path: P
     staged: dict[int, int] = {}
 
     def deliver(version: int, addresses: list[str]) -> None:
-        staged[version] = host.stage(addresses, host_token(key), version,
+        staged[version] = host.stage(addresses, host_credential(host_token(key), "host-a"), version,
                                      request_key("t", str(version)), TIMEOUT)
 
     second = None
@@ -200,7 +201,7 @@ def _fetch_fails_while_rank_1(tmp_path: Path, what: str) -> ws.TrainerRankLostEr
             time.sleep(0.5)  # rank 0's board sees the connection end
         else:
             os.kill(child.pid, signal.SIGSTOP)
-        host.stage(addresses, host_token(key), version, request_key("t", "0"), 5.0)
+        host.stage(addresses, host_credential(host_token(key), "host-a"), version, request_key("t", "0"), 5.0)
 
     started = time.monotonic()
     try:

@@ -74,6 +74,7 @@ from weightsync.schemes.double_buffer import (
 from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.ranks import MAX_TRAINER_RANKS, checked_trainer_ranks, trainer_rank
 from weightsync.transports.delta.codec import check_available as check_delta_available
+from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import PackedVersion, plan
 from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
 from weightsync.transports.net.sharded import (
@@ -454,6 +455,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.version = -1
         self._stats: list[dict[str, Any]] = []
         self._pack_seconds = 0.0
+        self._whole_streams = 0
         self._token = ""
         self._needs_init: set[int] = set()  # servers to initialise again (they failed)
         self._round_inits: list[int] = []  # servers initialised during the round under way
@@ -641,7 +643,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     def _init_server(self, index: int, client: Any) -> None:
         """Have a server's host fetch the current version and every rank load it (a new or
         restarted server gets it whole)."""
-        info: dict[str, Any] = {"address": self._publisher().address, "token": self._token,
+        # each server's host gets a credential of its own: one server cannot pose as the
+        # trainer to another (handshake.host_credential)
+        token = host_credential(self._token, f"server{index}")
+        info: dict[str, Any] = {"address": self._publisher().address, "token": token,
                                 "ticket": secrets.token_hex(8), "timeout": self.timeout,
                                 **self._adapter_info(index)}
         if self.lead is not None:
@@ -729,14 +734,20 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             "chunks": sum(f.chunks for f in streams),
             "delta_chunks": sum(f.delta_chunks for f in streams),
             "hosts": [figures_dict(f) for f in streams],
+            # hosts that got this version whole though delta is on, and why
+            "whole": {f.host: f.whole_reason for f in streams if f.whole_reason},
             "failed": {name: str(exc) for name, exc in errors.items()},
         })
+        self._whole_streams += sum(1 for f in streams if f.whole_reason)
         del self._stats[:-64]
 
     def stats(self) -> dict[str, Any]:
         """Per version sent on the network path: wire bytes, chunks and chunks sent as
-        deltas (all hosts together, and per host), seconds; ``"last"`` is the newest."""
-        return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats)}
+        deltas (all hosts together, and per host), the hosts that got it whole and why,
+        seconds; ``"last"`` is the newest; ``"whole_streams"`` counts, over the session,
+        the streams that went whole with delta on (a host's first version included)."""
+        return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats),
+                "whole_streams": self._whole_streams}
 
     def send_weights(self) -> None:
         """Send this round's weights, then have every vLLM worker load that version (a

@@ -1,16 +1,25 @@
-"""A receiving host's end of the network transport: connect to the trainer, prove the
-token, ask for a version (saying which one this host holds, so it may come as deltas), and
-rebuild it chunk by chunk, each verified against the trainer's checksum before the version
-is returned. The last verified version stays in memory as the next delta's base."""
+"""A receiving host's end of the network transport: connect to the trainer, prove this
+host's credential, ask for a version (saying which one this host holds, so it may come as
+deltas), and rebuild it chunk by chunk, each authenticated (:mod:`.seal`) and verified
+against the trainer's checksum before the version is returned. The last verified version
+stays in memory as the next delta's base. One deadline bounds the whole fetch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 
 import torch
 
-from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import (
+    IntegrityError,
+    SenderLostError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaDecoder, header_problem
 from weightsync.transports.net.handshake import prove_to_trainer
 from weightsync.transports.net.packed import (
@@ -21,9 +30,12 @@ from weightsync.transports.net.packed import (
     parse_metadata,
     parse_regions,
 )
+from weightsync.transports.net.seal import TAG_BYTES, Seal
 from weightsync.transports.net.wire import (
     CHUNK_BYTES,
     CHUNK_HEADER,
+    CHUNK_POSITION,
+    DeadlinePassed,
     ProtocolError,
     chunk_checksum,
     recv_exact,
@@ -36,8 +48,22 @@ from weightsync.transports.net.wire import (
 
 logger = logging.getLogger(__name__)
 
-#: the largest version a host accepts (after the trainer proved the token)
+#: the largest version a host accepts (after the trainer proved the credential), and never
+#: more than this host's memory
 MAX_VERSION_BYTES = 1 << 42
+
+
+def host_memory() -> int:
+    """This host's physical memory in bytes (the bound of any version it can hold)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return MAX_VERSION_BYTES
+
+
+class _BadDelta(IntegrityError):
+    """A chunk sent as a delta did not rebuild the trainer's chunk: this host's base is
+    suspect, so the version is asked for again, whole."""
 
 
 class VersionFetcher:
@@ -49,17 +75,42 @@ class VersionFetcher:
         self.base: PackedVersion | None = None
         self.base_session: str | None = None
         self.last_kinds: dict[str, int] = {}
+        #: why the last version came whole (None: it came as deltas, or this host asked
+        #: for nothing better), as the trainer said it
+        self.last_whole_reason: str | None = None
+        self.whole_refetches = 0  # versions fetched again whole after a delta failed here
         self._decoder: DeltaDecoder | None = None
         self._spare: torch.Tensor | None = None  # the buffer of the base before last
 
-    def fetch(self, address: str, token: str, want: int | None, timeout: float) -> PackedVersion:
-        """Version ``want`` (None: the trainer's current one), verified. Raises
-        ``SenderLostError`` if the trainer is unreachable or goes away mid-version,
-        ``IntegrityError`` if a chunk fails its checksum, ``WeightSyncError`` if the
-        trainer has no such version; the base is then unchanged."""
-        host, port = split_address(address)
+    def fetch(self, address: str, credential: str, want: int | None, timeout: float | None
+              ) -> PackedVersion:
+        """Version ``want`` (None: the trainer's current one), verified, within one deadline
+        of ``timeout`` seconds from this call's start. ``credential``: this host's, as the
+        trainer made it (:func:`~.handshake.host_credential`). Raises ``SenderLostError``
+        if the trainer is unreachable or goes away mid-version, ``IntegrityError`` if a
+        chunk fails its MAC or checksum, ``WeightSyncTimeoutError`` once the deadline
+        passes, ``WeightSyncError`` if the trainer has no such version; the base is then
+        unchanged. A delta that does not rebuild the trainer's chunk (a damaged base) is
+        fetched again whole at once, within the same deadline."""
+        deadline = Deadline(timeout)
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            return self._fetch_once(address, credential, want, deadline, offer_base=True)
+        except _BadDelta as exc:
+            self.whole_refetches += 1
+            logger.info("host %s: %s; fetching version %s again, whole, at once", self.name,
+                        exc, want if want is not None else "(current)")
+            return self._fetch_once(address, credential, want, deadline, offer_base=False,
+                                    whole=f"a delta against its base did not rebuild the "
+                                          f"trainer's chunk ({exc})")
+
+    def _fetch_once(self, address: str, credential: str, want: int | None, deadline: Deadline,
+                    offer_base: bool, whole: str | None = None) -> PackedVersion:
+        host, port = split_address(address)
+        asked = want if want is not None else "(current)"
+        try:
+            sock = socket.create_connection((host, port), timeout=deadline.remaining())
+        except TimeoutError:
+            raise self._late(address, asked, deadline, "connecting") from None
         except OSError as exc:
             raise SenderLostError(f"host {self.name}: cannot reach the trainer at {address} "
                                   f"({exc}); is it running, and is that address reachable "
@@ -67,71 +118,120 @@ class VersionFetcher:
         with sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                prove_to_trainer(sock, token, self.name)
-                return self._receive(sock, address, want)
+                seal = prove_to_trainer(sock, credential, self.name, deadline)
+                return self._receive(sock, seal, address, want, deadline, offer_base, whole)
+            except DeadlinePassed as exc:
+                raise self._late(address, asked, deadline, str(exc)) from None
             except (ProtocolError, OSError) as exc:
                 raise SenderLostError(
                     f"host {self.name}: the connection to the trainer at {address} broke "
-                    f"during version {want if want is not None else '(current)'}: "
-                    f"{type(exc).__name__}: {exc}; this host keeps serving the version it held"
-                ) from None
+                    f"during version {asked}: {type(exc).__name__}: {exc}; this host keeps "
+                    "serving the version it held") from None
 
-    def _receive(self, sock: socket.socket, address: str, want: int | None) -> PackedVersion:
-        base = self.base
+    def _late(self, address: str, asked: object, deadline: Deadline, detail: str
+              ) -> WeightSyncTimeoutError:
+        return WeightSyncTimeoutError(
+            f"host {self.name}: version {asked} from the trainer at {address} did not arrive "
+            f"within the fetch's deadline of {deadline} ({detail}); this host keeps serving "
+            "the version it held")
+
+    def _receive(self, sock: socket.socket, seal: Seal, address: str, want: int | None,
+                 deadline: Deadline, offer_base: bool, whole: str | None) -> PackedVersion:
+        base = self.base if offer_base else None
         held = None if base is None else {"session": self.base_session, "version": base.version,
                                           "fingerprint": base.fingerprint}
-        send_frame(sock, {"want": want, "base": held})
-        header = recv_frame(sock)
+        request: dict[str, object] = {"want": want, "base": held}
+        if whole is not None:
+            request["whole"] = whole[:300]
+        send_frame(sock, request, seal)
+        header = recv_frame(sock, seal=seal, deadline=deadline,
+                            what=f"host {self.name}: the version header from {address}")
         if "error" in header:
             raise WeightSyncError(f"host {self.name}: the trainer at {address} refused: "
                                   f"{header['error']}")
         version, session, entries, nbytes = parse_header(header, MAX_VERSION_BYTES)
         regions = parse_regions(header, entries)
         metadata = parse_metadata(header)
+        memory = host_memory()
+        if nbytes > memory:
+            raise IntegrityError(
+                f"host {self.name}: the trainer's header announces version {version} of "
+                f"{nbytes} bytes, more than this host's {memory} bytes of memory; refused "
+                "before anything is allocated")
         based = header.get("base")
         if based is not None and (base is None or based != base.version
                                   or session != self.base_session
                                   or layout_fingerprint(entries, nbytes) != base.fingerprint):
             raise ProtocolError(f"the trainer encodes against version {based}, which this "
                                 f"host does not hold")
-        spare, self._spare = self._spare, None
-        out = spare if spare is not None and spare.numel() == nbytes else \
-            torch.empty(nbytes, dtype=torch.uint8)  # reused: no page faults of fresh memory
+        self.last_whole_reason = None if based is not None else str(header.get("whole", ""))[:200]
+        if based is None and self.last_whole_reason:
+            logger.info("host %s receives version %d whole: %s", self.name, version,
+                        self.last_whole_reason)
+        out = self._buffer(nbytes, version)
         kinds: dict[str, int] = {}
+        position = bytearray(CHUNK_POSITION.size)
         for index in range(chunk_count(nbytes)):
-            kind, size, checksum = CHUNK_HEADER.unpack(recv_exact(sock, CHUNK_HEADER.size))
+            head = recv_exact(sock, CHUNK_HEADER.size + TAG_BYTES, deadline)
+            kind, size, checksum = CHUNK_HEADER.unpack_from(head)
             target = out[index * CHUNK_BYTES:(index + 1) * CHUNK_BYTES]
-            has_base = based is not None and base is not None
-            problem = header_problem(kind, size, target.numel(), has_base)
+            problem = header_problem(kind, size, target.numel(), based is not None)
             if problem is not None:
                 raise IntegrityError(f"host {self.name}: chunk {index} of version {version}: "
                                      f"{problem}; the version is refused before anything is "
                                      f"allocated for it, and this host keeps the one it held")
             name = KIND_NAMES[kind]
             kinds[name] = kinds.get(name, 0) + 1
+            where = f"host {self.name}: chunk {index} of version {version} (sent {name})"
             if kind == WHOLE:
-                recv_into_exact(sock, tensor_view(target))
-            elif base is not None:
+                recv_into_exact(sock, tensor_view(target), deadline)
+            else:
+                assert base is not None  # header_problem refuses a delta without a base
                 payload = torch.empty(size, dtype=torch.uint8)
-                recv_into_exact(sock, tensor_view(payload))
+                recv_into_exact(sock, tensor_view(payload), deadline)
                 if self._decoder is None:
                     self._decoder = DeltaDecoder()
                 try:
                     self._decoder.decode(kind, payload, base.chunk(index), target)
                 except (ValueError, IntegrityError) as exc:
-                    raise IntegrityError(f"host {self.name}: chunk {index} of version "
-                                         f"{version} ({name}) does not decode: {exc}") from None
+                    raise self._refuse(sock, seal, _BadDelta,
+                                       f"{where} does not decode: {exc}") from None
+            CHUNK_POSITION.pack_into(position, 0, version, index)
+            try:
+                seal.check(memoryview(head)[CHUNK_HEADER.size:], memoryview(head)[:CHUNK_HEADER.size],
+                           position, tensor_view(target), what=where)
+            except IntegrityError as exc:
+                raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
+                                   str(exc)) from None
             if chunk_checksum(target) != checksum:
-                send_frame(sock, {"error": f"chunk {index} failed its checksum"})
-                raise IntegrityError(
-                    f"host {self.name}: chunk {index} of version {version} (sent {name}) "
-                    f"differs from the trainer's checksum; the version is refused and this "
-                    f"host keeps the one it held")
+                raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
+                                   f"{where} differs from the trainer's checksum; the version "
+                                   "is refused and this host keeps the one it held")
         packed = PackedVersion(version, entries, out, regions=regions, metadata=metadata)
-        if base is not None:
-            self._spare = base.buffer  # callers are done with a version once they fetch again
+        if self.base is not None:
+            self._spare = self.base.buffer  # callers are done with a version once they fetch again
         self.base, self.base_session, self.last_kinds = packed, session, kinds
-        send_frame(sock, {"ok": version})
+        send_frame(sock, {"ok": version}, seal)
         logger.info("host %s received version %d (%d bytes, chunks %s)", self.name, version,
                     nbytes, kinds)
         return packed
+
+    def _buffer(self, nbytes: int, version: int) -> torch.Tensor:
+        """Where version ``version`` is rebuilt: the buffer of the base before last when it
+        fits (no page faults of fresh memory), a new one otherwise."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == nbytes:
+            return spare
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise WeightSyncError(f"host {self.name}: cannot allocate {nbytes} bytes for "
+                                  f"version {version}: {exc}") from None
+
+    @staticmethod
+    def _refuse(sock: socket.socket, seal: Seal, error: type[IntegrityError],
+                message: str) -> IntegrityError:
+        """Tell the trainer why the version is refused (best effort), and the error to raise."""
+        with contextlib.suppress(OSError):
+            send_frame(sock, {"error": message[:1000]}, seal)
+        return error(message)

@@ -1,7 +1,8 @@
 """The trainer's end of the network transport: a listener that admits only hosts proving
-the session's token, and streams each the version it asks for, chunk by chunk (a delta
-against the version the host says it holds, when the trainer still has that version and
-``delta`` is on; the chunk itself otherwise), then waits for the host's verdict."""
+their credential of the session's token, and streams each the version it asks for, chunk
+by chunk (a delta against the version the host says it holds, when the trainer still has
+that version and ``delta`` is on; the chunk itself otherwise, saying why), every frame and
+chunk under the connection's MAC (:mod:`.seal`), then waits for the host's verdict."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import torch
 from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaEncoder
 from weightsync.transports.net.handshake import HandshakeError, accept_peer
 from weightsync.transports.net.packed import PackedVersion, chunk_count
+from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import (
     CHUNK_HEADER,
+    CHUNK_POSITION,
     ProtocolError,
     recv_frame,
     send_frame,
@@ -43,11 +46,14 @@ class StreamFigures:
     delta_chunks: int = 0  # sent as a delta (an unchanged chunk counts, at 0 bytes)
     seconds: float = 0.0
     error: str | None = None
+    #: why the version went whole to this host (None: as deltas, or delta is off)
+    whole_reason: str | None = None
 
 
 class VersionPublisher:
     """Listens at ``address`` (``HOST:PORT``; port 0 picks one) and serves the current
-    version to every host that proves ``token``."""
+    version to every host that proves its credential of ``token``
+    (:func:`~.handshake.host_credential`: the token itself never leaves the trainer)."""
 
     def __init__(self, address: str, token: str, *, timeout: float, delta: bool) -> None:
         host, port = split_address(address)
@@ -164,32 +170,35 @@ class VersionPublisher:
             conn.settimeout(self.timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                host = f"{accept_peer(conn, self.token)} ({peer})"
+                name, seal = accept_peer(conn, self.token)
+                host = f"{name} at {peer}"
             except (HandshakeError, ProtocolError, OSError) as exc:
                 logger.warning("refused a connection from %s: %s", peer, exc)
                 return
-            request = recv_frame(conn)
-            packed, base = self._choose(request)
+            request = recv_frame(conn, seal=seal, what=f"the request of host {host}")
+            packed, base, whole = self._choose(request)
             if packed is None:
                 with self._cond:
                     current = None if self._current is None else self._current.version
                 send_frame(conn, {"error": f"the trainer has no version {request.get('want')} "
-                                           f"(its current version is {current})"})
+                                           f"(its current version is {current})"}, seal)
                 return
-            figures = StreamFigures(host, packed.version)
+            figures = StreamFigures(host, packed.version, whole_reason=whole)
+            if whole is not None:
+                logger.info("host %s gets version %d whole: %s", host, packed.version, whole)
             with self._cond:
                 self._streaming[packed.version] = self._streaming.get(packed.version, 0) + 1
             started = time.perf_counter()
             held = [v for v in (packed, base) if v is not None]  # counted by _choose
             try:
-                self._stream(conn, packed, base, figures)
+                self._stream(conn, seal, packed, base, figures)
             finally:
                 with self._cond:
                     for v in held:
                         self._reading[id(v)] -= 1
                         if not self._reading[id(v)]:
                             del self._reading[id(v)]
-            verdict = recv_frame(conn)
+            verdict = recv_frame(conn, seal=seal, what=f"the verdict of host {host}")
             figures.seconds = time.perf_counter() - started
             if verdict.get("ok") != packed.version:
                 figures.error = str(verdict.get("error", verdict))[:2000]
@@ -209,36 +218,54 @@ class VersionPublisher:
                 self._cond.notify_all()
             conn.close()
 
-    def _choose(self, request: dict[str, Any]) -> tuple[PackedVersion | None, PackedVersion | None]:
-        """The version a host asked for (None: the current one) and the base to encode it
-        against (None: whole chunks)."""
+    def _choose(self, request: dict[str, Any]
+                ) -> tuple[PackedVersion | None, PackedVersion | None, str | None]:
+        """The version a host asked for (None: the current one), the base to encode it
+        against (None: whole chunks) and, when ``delta`` is on and it goes whole, why."""
         want, base = request.get("want"), request.get("base")
         with self._cond:  # the versions chosen count as read until the stream ends
             current, previous = self._current, self._previous
             if current is None or (want is not None and want != current.version):
-                return None, None
-            chosen = None
-            if self.delta and isinstance(base, dict) and base.get("session") == self.session:
-                for candidate in (current, previous):
-                    if candidate is not None and candidate.version == base.get("version") \
-                            and candidate.fingerprint == current.fingerprint == base.get("fingerprint"):
-                        chosen = candidate
-                        break
+                return None, None, None
+            chosen, why = None, None
+            if self.delta:
+                chosen, why = self._delta_base(current, previous, base)
+                if chosen is None and isinstance(request.get("whole"), str):
+                    why = f"the host asked for it whole: {request['whole'][:200]}"
             for v in (current, chosen):
                 if v is not None:
                     self._reading[id(v)] = self._reading.get(id(v), 0) + 1
-            return current, chosen
+            return current, chosen, why
 
-    def _stream(self, conn: socket.socket, packed: PackedVersion, base: PackedVersion | None,
-                figures: StreamFigures) -> None:
+    def _delta_base(self, current: PackedVersion, previous: PackedVersion | None,
+                    held: object) -> tuple[PackedVersion | None, str | None]:
+        """The version a host's ``held`` base names, when this trainer still has it with
+        the current layout; otherwise None and the reason it goes whole."""
+        if not isinstance(held, dict):
+            return None, "the host holds no version of this trainer's (a new or restarted host)"
+        if held.get("session") != self.session:
+            return None, f"the host holds a version of another trainer session ({held.get('session')!r:.40})"
+        for candidate in (current, previous):
+            if candidate is not None and candidate.version == held.get("version"):
+                if candidate.fingerprint == current.fingerprint == held.get("fingerprint"):
+                    return candidate, None
+                return None, f"the layout changed since version {candidate.version}"
+        return None, (f"the host holds version {held.get('version')!r:.20}, which the trainer no "
+                      f"longer keeps (it keeps {current.version}"
+                      f"{'' if previous is None else f' and {previous.version}'})")
+
+    def _stream(self, conn: socket.socket, seal: Seal, packed: PackedVersion,
+                base: PackedVersion | None, figures: StreamFigures) -> None:
         header = packed.header(self.session)
         header["base"] = None if base is None else base.version
-        send_frame(conn, header)
+        if figures.whole_reason is not None:
+            header["whole"] = figures.whole_reason
+        send_frame(conn, header, seal)
         count = chunk_count(packed.nbytes)
         if base is None:
             for index in range(count):
                 packed.wait_chunk(index, self.timeout)  # the trainer packs as hosts stream
-                self._send_chunk(conn, WHOLE, packed.chunk(index), packed.checksums[index], figures)
+                self._send_chunk(conn, seal, packed, index, WHOLE, packed.chunk(index), figures)
             return
         encoder = DeltaEncoder()
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-net-encode") as pool:
@@ -253,16 +280,21 @@ class VersionPublisher:
                 assert ahead is not None
                 kind, payload = ahead.result()
                 ahead = encode(index + 1) if index + 1 < count else None
-                self._send_chunk(conn, kind, payload, packed.checksums[index], figures)
+                self._send_chunk(conn, seal, packed, index, kind, payload, figures)
 
     @staticmethod
-    def _send_chunk(conn: socket.socket, kind: int, payload: torch.Tensor, checksum: int,
-                    figures: StreamFigures) -> None:
-        conn.sendall(CHUNK_HEADER.pack(kind, payload.numel(), checksum))
+    def _send_chunk(conn: socket.socket, seal: Seal, packed: PackedVersion, index: int,
+                    kind: int, payload: torch.Tensor, figures: StreamFigures) -> None:
+        """Chunk ``index`` of ``packed`` as ``payload`` (the chunk, or its delta), under a
+        MAC over its header, its position and the chunk's bytes as the host rebuilds them."""
+        head = CHUNK_HEADER.pack(kind, payload.numel(), packed.checksums[index])
+        tag = seal.sign(head, CHUNK_POSITION.pack(packed.version, index),
+                        tensor_view(packed.chunk(index)))
+        conn.sendall(head + tag)
         if payload.numel():
             conn.sendall(tensor_view(payload))
         figures.chunks += 1
-        figures.wire_bytes += CHUNK_HEADER.size + payload.numel()
+        figures.wire_bytes += CHUNK_HEADER.size + len(tag) + payload.numel()
         if kind != WHOLE:
             figures.delta_chunks += 1
         logger.debug("chunk %d sent as %s (%d bytes)", figures.chunks - 1, KIND_NAMES[kind],

@@ -1,6 +1,8 @@
 """Frames of the network transport: length-prefixed JSON objects (typed headers, never
 pickled), chunk headers as fixed structs, and raw chunk bytes read straight into their
-destination. Every read is bounded by the socket's timeout."""
+destination. After the handshake every frame carries its MAC (:mod:`.seal`). A read is
+bounded by the call's one :class:`~weightsync.core.deadline.Deadline` when it is given
+one (a fetch: the whole call), by the socket's timeout otherwise."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import Any
 import torch
 
 from weightsync.core.checksum import checksum
+from weightsync.core.deadline import Deadline
+from weightsync.transports.net.seal import TAG_BYTES, Seal
 
-PROTOCOL = "weightsync-net/1"
+PROTOCOL = "weightsync-net/2"
 #: a JSON frame's length prefix, and the largest frame accepted after the handshake (the
 #: version header lists every tensor's name, dtype and shape)
 _FRAME = struct.Struct("!I")
@@ -22,6 +26,8 @@ MAX_FRAME = 64 << 20
 PREAUTH_MAX_FRAME = 4096
 #: one chunk's header: kind (see ``delta.codec``), payload bytes, checksum of the new chunk
 CHUNK_HEADER = struct.Struct("!BQQ")
+#: what a chunk's MAC binds it to besides its header and bytes: its version and index
+CHUNK_POSITION = struct.Struct("!QQ")
 CHUNK_BYTES = 8 << 20
 
 
@@ -29,34 +35,60 @@ class ProtocolError(ConnectionError):
     """The peer sent something this protocol does not allow, or closed mid-message."""
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+class DeadlinePassed(TimeoutError):
+    """A read or write ran past the deadline of the call it belongs to."""
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any], seal: Seal | None = None) -> None:
+    """One JSON frame; with ``seal``, followed by its MAC."""
     data = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_FRAME.pack(len(data)) + data)
+    head = _FRAME.pack(len(data))
+    tag = b"" if seal is None else seal.sign(head, data)
+    sock.sendall(head + data + tag)
 
 
-def recv_exact(sock: socket.socket, nbytes: int) -> bytearray:
+def recv_exact(sock: socket.socket, nbytes: int, deadline: Deadline | None = None) -> bytearray:
     buffer = bytearray(nbytes)
-    recv_into_exact(sock, memoryview(buffer))
+    recv_into_exact(sock, memoryview(buffer), deadline)
     return buffer
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``ProtocolError`` if the peer closes first."""
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None = None) -> None:
+    """Fill ``view`` from ``sock``; ``ProtocolError`` if the peer closes first,
+    ``DeadlinePassed`` once ``deadline`` passes (a trickling peer included)."""
     got, total = 0, len(view)
     while got < total:
-        n = sock.recv_into(view[got:], total - got)
+        if deadline is not None:
+            left = deadline.remaining()
+            if left is not None and left <= 0:
+                raise DeadlinePassed(f"{got} of {total} bytes arrived within {deadline}")
+            sock.settimeout(left)
+        try:
+            n = sock.recv_into(view[got:], total - got)
+        except TimeoutError:
+            if deadline is not None:
+                raise DeadlinePassed(f"{got} of {total} bytes arrived within {deadline}") from None
+            raise
         if n == 0:
             raise ProtocolError(f"the peer closed the connection after {got} of {total} bytes")
         got += n
 
 
-def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> dict[str, Any]:
-    """One JSON object frame of at most ``max_bytes``; ``ProtocolError`` otherwise."""
-    (length,) = _FRAME.unpack(recv_exact(sock, _FRAME.size))
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME, seal: Seal | None = None,
+               deadline: Deadline | None = None, what: str = "a frame") -> dict[str, Any]:
+    """One JSON object frame of at most ``max_bytes``; ``ProtocolError`` otherwise. With
+    ``seal``, its MAC is checked first (``IntegrityError`` naming ``what``)."""
+    head = recv_exact(sock, _FRAME.size, deadline)
+    (length,) = _FRAME.unpack(head)
     if length > max_bytes:
         raise ProtocolError(f"a frame of {length} bytes (at most {max_bytes} here)")
+    data = recv_exact(sock, length + (0 if seal is None else TAG_BYTES), deadline)
+    if seal is not None:
+        body = memoryview(data)[:length]
+        seal.check(memoryview(data)[length:], head, body, what=what)
+        data = data[:length]
     try:
-        message = json.loads(recv_exact(sock, length))
+        message = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"a frame that is not JSON ({type(exc).__name__})") from None
     if not isinstance(message, dict):
