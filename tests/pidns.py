@@ -6,12 +6,16 @@ pid and a mount namespace, forks the namespace's first process (pid 1 there), wh
 fresh /proc and runs the target; it reports, on a pipe (this process cannot start threads
 once it unshared its pid namespace, so no ``multiprocessing.Queue``), that process's pid as seen
 from the test (``("init", pid)``: SIGKILL it to kill the whole namespace), then waits for it.
+``Namespaces`` starts such bodies for a test and kills them all at its end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import multiprocessing as mp
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -113,3 +117,40 @@ def _flush_queues(args: tuple[Any, ...]) -> None:
                 arg.join_thread()
             except Exception:
                 pass
+
+
+class Namespaces:
+    """Starts process bodies in pid namespaces of their own; kills them all at the end."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("fork")
+        self.queues = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.inits: list[int] = []
+
+    def start(self, as_pid: int, target: Any, *args: Any) -> tuple[Any, int]:
+        """Run ``target(out, *args)``; returns its own result queue and the pid (seen from
+        here) of its namespace's pid 1."""
+        ctl, ctl_end = self.ctx.Pipe(duplex=False)
+        out = self.queues.Queue()
+        proc = self.ctx.Process(target=in_pid_namespace, args=(ctl_end, as_pid, target, out, *args),
+                                daemon=True)
+        proc.start()
+        self.procs.append(proc)
+        ctl_end.close()
+        assert ctl.poll(10), "the namespace's pid 1 was not reported"
+        event, init = ctl.recv()
+        ctl.close()
+        assert event == "init"
+        self.inits.append(init)
+        return out, init
+
+    def close(self) -> None:
+        for init in self.inits:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGKILL)
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)

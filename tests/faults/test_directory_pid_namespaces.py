@@ -4,8 +4,6 @@ process of another namespace. Real pid namespaces (root only), real processes.""
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -18,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from pidns import in_pid_namespace, pid_namespaces_usable
+from pidns import Namespaces, pid_namespaces_usable
 
 import weightsync as ws
 
@@ -94,43 +92,6 @@ def _following_worker(out: Any, directory: str, versions: int) -> None:
 
 
 # ---------------------------------------------------------------- harness
-class Namespaces:
-    """Starts process bodies in pid namespaces of their own; kills them all at the end."""
-
-    def __init__(self) -> None:
-        self.ctx = mp.get_context("fork")
-        self.queues = mp.get_context("spawn")
-        self.procs: list[Any] = []
-        self.inits: list[int] = []
-
-    def start(self, as_pid: int, target: Any, *args: Any) -> tuple[Any, int]:
-        """Run ``target(out, *args)``; returns its own result queue and the pid (seen from
-        here) of its namespace's pid 1."""
-        ctl, ctl_end = self.ctx.Pipe(duplex=False)
-        out = self.queues.Queue()
-        proc = self.ctx.Process(target=in_pid_namespace, args=(ctl_end, as_pid, target, out, *args),
-                                daemon=True)
-        proc.start()
-        self.procs.append(proc)
-        ctl_end.close()
-        assert ctl.poll(10), "the namespace's pid 1 was not reported"
-        event, init = ctl.recv()
-        ctl.close()
-        assert event == "init"
-        self.inits.append(init)
-        return out, init
-
-    def close(self) -> None:
-        for init in self.inits:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(init, signal.SIGKILL)
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-
-
 @pytest.fixture
 def namespaces() -> Iterator[Namespaces]:
     pool = Namespaces()

@@ -149,3 +149,17 @@ def is_same_or_descendant(pid: int, ancestor: int, max_depth: int = 64) -> bool:
         pid = parent
     return False
 
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, as /proc says), None if it is
+    gone or a zombie: a pid alone may be reused, a pid and its start time may not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # fields[0] is field 3 (state)
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode("ascii", "replace")

@@ -4,7 +4,9 @@ network transport, verified chunk by chunk, and stages it as a committed version
 host-local private directory in the existing double-buffer format, beside the one served;
 every tensor-parallel rank then loads it from there with the directory path's own code,
 exactly or not at all. A small status file tells the other ranks which local version holds
-the trainer's version (or why there is none). Nothing here imports vLLM."""
+the trainer's version (or why there is none). An owner record in each staging directory
+lets the next receiver to start on the host remove the staging of one that was killed (as
+vLLM kills its workers at exit), and nothing else. Nothing here imports vLLM."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Sequence
@@ -24,7 +27,15 @@ from typing import Any
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
+from weightsync.core.errors import UnsafeDirectoryError, WeightSyncError, WeightSyncTimeoutError
+from weightsync.integrations.vllm.owners import (
+    Owner,
+    Verdict,
+    dead_owners,
+    private_directory,
+    read_owner,
+    write_owner,
+)
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme, VLLMDoubleBufferWeightSender
 from weightsync.transports.directory.files import write_json_atomic
 from weightsync.transports.net.fetch import VersionFetcher
@@ -36,12 +47,70 @@ STATUS = "staged.json"
 _POLL = 0.02
 
 
+#: the kind of owner record in each staging directory
+KIND = "vllm-staging"
+_PREFIX = "weightsync-vllm-"
+
+
 def staging_directory(engine_id: str) -> Path:
     """The host-local private directory of one engine (every rank of it computes the same
     path): in /dev/shm where there is one, mode 0700."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
-    return Path(base) / f"weightsync-vllm-{os.getuid()}-{digest}"
+    return Path(base) / f"{_PREFIX}{os.getuid()}-{digest}"
+
+
+def sweep_staging(parent: Path) -> int:
+    """Remove the staging directories of this user under ``parent`` whose receiver is gone
+    (vLLM kills its workers at exit, so nothing of theirs cleans up; each leaves twice the
+    model's size in RAM): only those holding a receiver's owner record naming a process
+    this one can judge dead, never one of another pid namespace. Returns how many."""
+    removed = 0
+    for path, owner in dead_owners(parent, KIND, f"{_PREFIX}{os.getuid()}-"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+        logger.info("removed staging directory %s, left by receiver process %d that is gone",
+                    path, owner.pid)
+    return removed
+
+
+def _clear_staging(directory: Path) -> None:
+    """Remove ``directory`` if it is a staging directory this process may start over: this
+    process's, one whose receiver is gone, or an empty one of this user. Anything else there
+    (a symlink, another user's, a live receiver's, one of another pid namespace) is an
+    :class:`UnsafeDirectoryError` naming it; nothing is followed or removed."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    expected = (f"expected this user's (uid {os.getuid()}) private staging directory "
+                "(mode 0700) or nothing")
+    if stat.S_ISLNK(info.st_mode):
+        target = "?"
+        with contextlib.suppress(OSError):
+            target = os.readlink(directory)
+        raise UnsafeDirectoryError(
+            f"staging path {directory} is a symbolic link (to {target!r}), {expected}: "
+            "nothing was followed or removed; remove the link")
+    if not private_directory(directory):
+        kind = "directory" if stat.S_ISDIR(info.st_mode) else "file, not a directory"
+        raise UnsafeDirectoryError(
+            f"staging path {directory} is a {kind} of uid {info.st_uid} with mode "
+            f"{stat.S_IMODE(info.st_mode):o}, {expected}: nothing was removed")
+    owner = read_owner(directory, KIND)
+    if owner is None:
+        if os.listdir(directory):
+            raise UnsafeDirectoryError(
+                f"staging directory {directory} holds files but no receiver's owner record: "
+                "weightsync did not make them, so it removes nothing; remove it yourself")
+        directory.rmdir()
+        return
+    verdict = owner.verdict()
+    if verdict not in (Verdict.THIS_PROCESS, Verdict.GONE):
+        raise UnsafeDirectoryError(
+            f"staging directory {directory} belongs to receiver {owner.describe()}: is "
+            "another engine with this engine's id running? (remove it if none is)")
+    shutil.rmtree(directory)
 
 
 def request_key(token: str, what: str) -> str:
@@ -58,20 +127,27 @@ class HostReceiver:
         self.directory, self.num_workers, self.timeout = directory, num_workers, timeout
         self.sender: VLLMDoubleBufferWeightSender | None = None
         self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what is staged
+        sweep_staging(directory.parent)
         self._start_over()
         self.fetcher = VersionFetcher(name)
         self.sharded = ShardedFetcher(name)
         self.version = -1  # the trainer's number of the version staged last
 
     def _start_over(self) -> None:
-        """An empty staging directory (a previous engine's or session's slots: nothing to
-        trust there, and their layout may not be the next one's)."""
+        """An empty staging directory with this process's owner record (a previous engine's
+        or session's slots: nothing to trust there, and their layout may not be the next
+        one's)."""
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-        if self.directory.exists():
-            shutil.rmtree(self.directory)
-        self.directory.mkdir(mode=0o700, parents=True)
+        _clear_staging(self.directory)
+        try:
+            self.directory.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            raise UnsafeDirectoryError(
+                f"staging path {self.directory} appeared while this receiver made it: is "
+                "another receiver starting with this engine's id?") from None
+        write_owner(self.directory, Owner.of_this_process(KIND))
         self.scheme = VLLMDoubleBufferSyncScheme(self.directory, num_workers=self.num_workers,
                                                  timeout=self.timeout)
         self.layout = {}

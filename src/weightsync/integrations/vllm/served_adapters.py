@@ -5,8 +5,10 @@ read from a double-buffer directory (the trainer's on one host; this host's stag
 directory on the network path) under the slot's read lock and verified by checksum, into
 its own directory ``<adapter_dir>/<name>-v<version>``. The trainer then points the stable
 name at it through vLLM's ``/v1/load_lora_adapter`` (:func:`load_on_server`). The
-directory goes with the server's process; one left by a killed process is removed by the
-next server that starts on the host.
+``adapter_dir`` must be new (the server creates it) or empty: it comes from ``init_info``,
+and the server removes it when it goes, so it must never name anything the server did not
+make. The versions go with the server's process; those left by a killed process are
+removed by the next server that starts on the host, if it can tell that process is gone.
 
 Why a new path per version under one name: vLLM keys prefix-cache blocks by the LoRA's
 name *and path*, so a new path never reuses a block computed with another version, while
@@ -18,9 +20,10 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import time
@@ -31,14 +34,22 @@ from typing import Any
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import UnsafeDirectoryError, WeightSyncError, WeightSyncTimeoutError
 from weightsync.integrations.vllm.adapters import stage_adapter
-from weightsync.transports.directory.files import DEFAULT_FILE_MODE, write_json_atomic
+from weightsync.integrations.vllm.owners import (
+    OWNER_FILE,
+    Owner,
+    dead_owners,
+    private_directory,
+    read_owner,
+    write_owner,
+)
+from weightsync.transports.directory.files import DEFAULT_FILE_MODE
 from weightsync.transports.directory.reader import DirectoryReader
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.005
-#: in each server's adapter directory: the process that owns it (pid and start time)
-OWNER = "owner.json"
+#: the kind of owner record in each server's adapter directory
+KIND = "vllm-adapter"
 
 
 def version_path(adapter_dir: str, name: str, version: int) -> str:
@@ -47,58 +58,85 @@ def version_path(adapter_dir: str, name: str, version: int) -> str:
     return f"{adapter_dir.rstrip('/')}/{name}-v{version}"
 
 
-def _private_directory(path: Path) -> Path:
-    """``path`` as a directory only this user can enter: created with mode 0700, or an
-    existing one that is exactly that (a re-init of the same trainer session)."""
+def _made_here(entry: str, name: str) -> bool:
+    """Whether ``entry`` of an adapter directory is one :class:`AdapterFiles` of adapter
+    ``name`` makes: its owner record, a version, or one of their temp files."""
+    version = rf"{re.escape(name)}-v-?\d+"
+    return entry == OWNER_FILE or entry.startswith(f".{OWNER_FILE}.tmp-") \
+        or re.fullmatch(rf"{version}|\.{version}\..+", entry) is not None
+
+
+def _remove_made(root: str, name: str, created: bool) -> None:
+    """Remove what weightsync made in ``root`` for adapter ``name``, and ``root`` itself if
+    weightsync ``created`` it and nothing else is left in it: never anything it did not make."""
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        logger.warning("could not list adapter directory %s to remove its versions: %s", root, exc)
+        return
+    for entry in entries:
+        if not _made_here(entry, name):
+            continue
+        path = os.path.join(root, entry)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)  # a symlink itself, never what it points to
+    if created:
+        try:
+            os.rmdir(root)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            logger.warning("left adapter directory %s: it holds files weightsync did not make",
+                           root)
+
+
+def _claim_directory(path: Path) -> bool:
+    """Make ``path`` the adapter directory: created with mode 0700 (True), or an existing
+    private directory of this user that is empty (False: weightsync then removes only what it
+    writes there, never the directory). Anything else is refused, since whatever holds
+    files there was not made by this server: ``close()`` would otherwise delete it."""
     try:
         path.mkdir(mode=0o700, parents=False)
+        return True
     except FileExistsError:
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
-                or stat.S_IMODE(info.st_mode) & 0o077:
-            raise UnsafeDirectoryError(
-                f"adapter directory {path} exists and is not a private directory of this "
-                "user (mode 0700): refusing to write adapters there") from None
+        pass
     except FileNotFoundError:
         raise WeightSyncError(f"adapter directory {path}: its parent does not exist on this "
                               "host (set adapter_root in the trainer's init info)") from None
-    return path
-
-
-def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks since boot), None if it is gone or a
-    zombie: a pid alone may be reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
-
-
-def _this_process() -> dict[str, Any]:
-    return {"pid": os.getpid(), "start": _start_time(os.getpid())}
+    if not private_directory(path):
+        raise UnsafeDirectoryError(
+            f"adapter directory {path} exists and is not a private directory of this "
+            "user (mode 0700, not a symlink): refusing to write adapters there")
+    entries = os.listdir(path)
+    if entries:
+        owner = read_owner(path, KIND)
+        whose = f"{len(entries)} entries" if owner is None else \
+            f"the adapter versions of another weightsync server, {owner.describe()}"
+        raise UnsafeDirectoryError(
+            f"adapter directory {path} exists and is not empty (it holds {whose}): a server "
+            "writes adapters only into a directory it creates, or an empty one, since it "
+            "removes what it wrote there when it stops. Name a new path (the trainer engine "
+            "names <adapter_root>/weightsync-<name>-<random>), or an empty directory")
+    return False
 
 
 def _sweep_orphans(parent: Path) -> None:
-    """Remove the adapter directories under ``parent`` whose server process is gone (vLLM
-    kills its workers at exit, before any clean-up of theirs can run): private
-    directories of this user that hold an owner file naming a dead process."""
-    if not os.path.isdir("/proc/self"):
-        return  # no way to tell a live owner from a dead one: leave them
-    for entry in parent.iterdir():
-        try:
-            info = os.lstat(entry)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
-                    or stat.S_IMODE(info.st_mode) & 0o077:
-                continue
-            owner = json.loads((entry / OWNER).read_text())
-            alive = _start_time(int(owner["pid"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not one of these directories, or one being made
-        if alive is None or alive != owner.get("start"):
-            shutil.rmtree(entry, ignore_errors=True)
-            logger.info("removed %s, left by a server process that is gone", entry)
+    """Remove what weightsync made in the adapter directories under ``parent`` whose
+    server process is gone (vLLM kills its workers at exit, before any clean-up of theirs
+    can run): private directories of this user whose owner record is an adapter server's,
+    judged only where the owner's pid means the same process (not across pid namespaces)."""
+    for path, owner in dead_owners(parent, KIND):
+        name, created = owner.extra.get("adapter"), owner.extra.get("created")
+        if not isinstance(name, str) or not isinstance(created, bool):
+            continue
+        _remove_made(str(path), name, created)
+        logger.info("removed the adapter versions in %s, left by server process %d that is "
+                    "gone", path, owner.pid)
 
 
 class AdapterFiles:
@@ -106,13 +144,15 @@ class AdapterFiles:
     load, the newest ``keep`` kept."""
 
     def __init__(self, adapter_dir: str, name: str, max_rank: int, keep: int) -> None:
-        self.root = _private_directory(Path(adapter_dir))
-        _sweep_orphans(self.root.parent)
-        write_json_atomic(self.root / OWNER, _this_process(), mode=0o600, durable=False)
+        root = Path(adapter_dir)
+        _sweep_orphans(root.parent)  # first: ``root`` may be a dead server's
+        created = _claim_directory(root)
+        self.root = root
         # removed with this object or when the process exits (vLLM reads none after that);
         # a worker killed at the server's exit leaves it to the next server's sweep
-        self._removal = Finalize(self, shutil.rmtree, args=(str(self.root), True),
+        self._removal = Finalize(self, _remove_made, args=(str(root), name, created),
                                  exitpriority=0)
+        write_owner(root, Owner.of_this_process(KIND, adapter=name, created=created))
         self.name = name
         self.max_rank = max_rank
         self.keep = keep
