@@ -92,7 +92,7 @@ def _receiver(out: Any, directory: str, address: str | None) -> None:
     then waits to be killed."""
     host = HostReceiver(Path(directory), 1, "host-a", TIMEOUT)
     if address is not None:
-        host.stage(address, "token", None, request_key("t", "init/a"), TIMEOUT)
+        host.stage(address, host_credential("token", "host-b"), None, request_key("t", "init/a"), TIMEOUT)
     out.put(("staged", os.getpid(), sorted(p.name for p in Path(directory).iterdir())))
     time.sleep(60)
 
