@@ -119,12 +119,15 @@ def _single_thread_torch() -> None:
 # ---------------------------------------------------------------------- test tiers
 #: Tests that only the full run takes (`bash scripts/run.sh test-all`, what CI runs): the
 #: peer suite (TorchRL's own tests on our schemes), the two-host clusters and `vllm serve`
-#: in network namespaces, Ray's one-node and sharded suites, soaks, benches, demos and
-#: examples. The README's default command (`bash scripts/run.sh test`) leaves them out so
-#: that it ends within minutes; what stays covers every transport, the rank protocol on
-#: SharedMem (and the directory's rank faults), a real vLLM engine, the `vllm serve`
-#: backend's registration, LoRA, one Ray delta case, and TorchRL's LLM scheme. Chosen from
-#: `--durations` of a full run.
+#: in network namespaces, Ray's one-node and sharded suites, TorchRL's collectors, the
+#: sharded directory suite, the rank conformance suite on the directory and Ray, benches,
+#: demos and examples, and the single cases below. The README's default command
+#: (`bash scripts/run.sh test`) leaves them out so that it ends within 15 minutes in a
+#: fresh clone on two cores; what stays covers SharedMem, MultiProcess, the directory, the
+#: network path and Ray (one delta case with real actors, the rest without a cluster), the
+#: rank conformance suite on SharedMem (and the directory's and the network path's own
+#: rank faults), a real vLLM engine, the `vllm serve` backend's registration, LoRA, and
+#: TorchRL's LLM scheme. Chosen from `--durations` of a full run.
 FULL_TIER: tuple[str, ...] = (
     "tests/torchrl_compat/",
     "tests/integrations/test_vllm_serve_remote.py",
