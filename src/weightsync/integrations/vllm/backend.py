@@ -920,7 +920,7 @@ def _server_said(exc: BaseException) -> str:
     body = getattr(getattr(exc, "response", None), "text", None)
     if not isinstance(body, str) or not body:
         return str(exc)
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
+    with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):  # not vLLM's JSON
         body = str(json.loads(body)["error"]["message"])
     return f"{exc} (the server said: {body[:4000]})"
 
