@@ -201,6 +201,11 @@ class DeltaCollector(RayWeightReceiverMixin):
     def path(self):
         return self.weightsync_receiver.path
 
+    def announce(self):
+        """Announce this actor to the sender now, as a constructor that ran late (a loaded
+        machine) does after the trainer was handed its handle."""
+        self.weightsync_receiver.announce()
+
     def damage_next_base(self, kind):
         """Damage the base chunk the next delta is rebuilt on (once), as ``kind`` of
         ``slot_damage`` does: a swap or compensating pair in this host's copy."""

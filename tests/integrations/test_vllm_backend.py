@@ -119,6 +119,43 @@ def test_trainer_engine_drives_a_whole_update_with_bfloat16_slots(served, direct
         engine.shutdown()
 
 
+def test_a_second_trainer_engine_ends_the_first_ones_session(served, directory: Path):
+    """Two trainer engines on one real engine: B's init takes the server over, A's next
+    update is refused (TrainerSessionEndedError naming both sessions, through vLLM's own
+    calls) and the engine keeps serving B's version under B's label."""
+    import shutil
+
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm_engine import shm_dir
+
+    from weightsync.core.errors import TrainerSessionEndedError
+    from weightsync.integrations.vllm.backend import OfflineLLMClient, WeightSyncTrainerInitInfo
+
+    llm, a_model, b_model = served.llm, vm.build_model(), vm.build_model(seed=1)
+    other = shm_dir("ws-vllm-b-")
+    engines = []
+    try:
+        for where, model in ((directory, a_model), (other, b_model)):
+            engines.append(WeightTransferTrainerFactory.trainer_init(
+                WeightSyncTrainerInitInfo(rank=0, directory=str(where)),
+                client=OfflineLLMClient(llm), source=ModuleSource(model)))
+        a, b = engines
+        for step in (1, 2):
+            vm.perturb(b_model, step)
+            b.send_weights()
+        vm.perturb(a_model, 1)
+        with pytest.raises(TrainerSessionEndedError) as raised:
+            a.send_weights()  # A's version 1: another trainer's server now
+        for named in (f"trainer session {a.session}", f"trainer session {b.session}"):
+            assert named in str(raised.value), raised.value
+        assert llm.get_weight_version() == "2"
+        assert vm.vllm_greedy(llm) == vm.transformers_greedy(b_model)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        shutil.rmtree(other, ignore_errors=True)
+
+
 def test_bad_directories_fail_init_clearly(served, directory: Path):
     llm = served.llm
     started = time.monotonic()

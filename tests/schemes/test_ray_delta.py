@@ -92,7 +92,7 @@ def test_dtype_alone_casts_as_packed(actors, node_local):
         assert figures["wire_bytes"] == (0 if node_local else 2 * cast_bytes)
 
 
-def test_delta_accounting_skips_fallbacks(actors):
+def test_delta_accounting_skips_fallbacks(actors, caplog):
     scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, dtype=BF16, delta=True,
                                     node_local=False)
     group = actors(scheme, [0, 1])
@@ -111,14 +111,22 @@ def test_delta_accounting_skips_fallbacks(actors):
             figures = last(sender)
             assert figures["delta_chunks"] == figures["chunks"] == 4
             assert figures["wire_bytes"] < 0.25 * 2 * full
+        assert sender.stats()["whole_versions"] == {"first_version": 2}
         # worker 1 skipped: then it gets whole chunks, worker 0 deltas
         step(model, optimizer)
         assert sender.send(worker_ids=[0], timeout=30) == 4
         assert last(sender)["chunks"] == 2 and last(sender)["delta_chunks"] == 2
         step(model, optimizer)
-        assert sender.send(timeout=30) == 5
+        with caplog.at_level("INFO", logger="weightsync.transports.ray.writer"):
+            assert sender.send(timeout=30) == 5
         assert states(group) == [(5, cast_digest(model))] * 2
         assert last(sender)["delta_chunks"] == 2 and last(sender)["chunks"] == 4
+        assert sender.stats()["whole_versions"] == {"first_version": 2, "behind": 1}
+        whole = [r.getMessage() for r in caplog.records if "goes whole" in r.getMessage()]
+        assert len(whole) == 1, whole
+        for named in ("version 5 goes whole to worker 1 (node ", "its node holds version 3",
+                      "the deltas are against version 4", "[behind]"):
+            assert named in whole[0], whole
         step(model, optimizer)
         assert sender.send(timeout=30) == 6
         assert last(sender)["delta_chunks"] == 4  # both hold the base again
@@ -152,6 +160,7 @@ def test_corrupted_delta_is_refused_and_sent_whole(actors):
         assert sender.send(timeout=30) == 2  # its base is the verified version: deltas again
         assert last(sender)["delta_chunks"] == last(sender)["chunks"] == 4
         assert states(group) == [(2, cast_digest(model))] * 2
+        assert sender.stats()["whole_versions"] == {"first_version": 2, "refused": 1}
 
 
 def test_headers_no_sender_writes_are_refused_and_sent_whole(actors, caplog):
@@ -188,7 +197,7 @@ def test_headers_no_sender_writes_are_refused_and_sent_whole(actors, caplog):
         assert states(group) == [(len(corruptions) + 1, cast_digest(model))] * 2
 
 
-def test_replacement_actor_takes_whole_chunks_then_deltas(actors):
+def test_replacement_actor_takes_whole_chunks_then_deltas(actors, caplog):
     scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, dtype=BF16, delta=True,
                                     node_local=False)
     group = actors(scheme, [0, 1])
@@ -202,13 +211,43 @@ def test_replacement_actor_takes_whole_chunks_then_deltas(actors):
         ray.kill(group[1])
         replacement = actors(scheme, [1])[0]  # announces itself: joins at the next send
         step(model, optimizer)
-        assert sender.send(timeout=30) == 2
+        with caplog.at_level("INFO", logger="weightsync.transports.ray.writer"):
+            assert sender.send(timeout=30) == 2
         figures = last(sender)
         assert figures["chunks"] == 4 and figures["delta_chunks"] == 2  # whole for the new one
+        assert sender.stats()["whole_versions"] == {"first_version": 2, "new_actor": 1}
+        assert ("version 2 goes whole to worker 1 (node " in caplog.text
+                and "a new actor: the one that verified version 1 was replaced [new_actor]"
+                in caplog.text), caplog.text
         step(model, optimizer)
         assert sender.send(timeout=30) == 3
         assert last(sender)["delta_chunks"] == 4
         assert states([group[0], replacement]) == [(3, cast_digest(model))] * 2
+
+
+def test_an_actor_announced_after_connect_keeps_taking_deltas(actors, caplog):
+    """An actor's constructor announces it to the sender; on a loaded machine that can land
+    after the trainer, handed the same actor's handle, already sent it a version. The
+    announcement is the same actor again (a copy of its handle): its node still holds the
+    base, so the next version still goes as deltas (it went whole before, unexplained)."""
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, dtype=BF16, delta=True,
+                                    node_local=False)
+    group = actors(scheme, [0, 1])
+    model = tiny_transformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        ray.get(group[1].announce.remote(), timeout=30)  # the late constructor's announce
+        for version in (1, 2):
+            step(model, optimizer)
+            with caplog.at_level("INFO", logger="weightsync.transports.ray"):
+                assert sender.send(timeout=30) == version
+            assert states(group) == [(version, cast_digest(model))] * 2
+            assert last(sender)["delta_chunks"] == last(sender)["chunks"] == 4, last(sender)
+        assert "worker 1 announced its actor again" in caplog.text, caplog.text
+        assert "goes whole" not in caplog.text, caplog.text
+        assert sender.stats()["whole_versions"] == {"first_version": 2}
 
 
 def test_arguments_are_checked():

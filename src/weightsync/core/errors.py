@@ -106,3 +106,16 @@ class AdapterRankError(WeightSyncError, ValueError):
         super().__init__(message)
         self.rank = rank
         self.max_rank = max_rank
+
+
+class TrainerSessionEndedError(WeightSyncError):
+    """A vLLM server refused a trainer's update because another trainer session initialised
+    it since (one trainer per server at a time: the newer init takes the server over, the
+    older session ends). ``session`` is the ended one, ``taken_by`` the one that took over
+    ("" where that was an init without a session). Raised in the server and, naming it, by
+    the ended trainer's ``send_weights()``."""
+
+    def __init__(self, message: str, *, session: str = "", taken_by: str = "") -> None:
+        super().__init__(message)
+        self.session = session
+        self.taken_by = taken_by

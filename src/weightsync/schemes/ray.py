@@ -243,8 +243,13 @@ class RayWeightSender(WeightSender):
         """The common figures; ``last`` also says what crossed the network for that version,
         all other hosts together: ``wire_bytes``, ``chunks``, ``delta_chunks`` (sent as
         differences, unchanged ones included) and ``delta_refused`` (hosts whose rebuilt
-        version failed its checksums and got it whole)."""
+        version failed its checksums and got it whole). With ``delta=True``,
+        ``whole_versions`` counts the versions a host got whole since the start, by reason
+        (``first_version``, ``no_base``, ``new_actor``, ``behind``, ``refused``; each is
+        also logged at INFO naming the worker, its node and what happened)."""
         summary = super().stats()
+        if self.writer.delta:
+            summary["whole_versions"] = self.writer.whole_versions()
         last = summary.get("last")
         if last is not None:
             empty = {"wire_bytes": 0, "chunks": 0, "delta_chunks": 0, "delta_refused": 0}

@@ -21,6 +21,7 @@ engine as soon as it imports ``WeightSyncTrainerInitInfo``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -48,7 +49,11 @@ from vllm.model_executor.model_loader.reload import (
 
 from weightsync.core.checks import checked_int
 from weightsync.core.deadline import Deadline, checked_timeout, required_timeout
-from weightsync.core.errors import WeightSyncError, WeightSyncTimeoutError
+from weightsync.core.errors import (
+    TrainerSessionEndedError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from weightsync.core.shards import sharded_flat
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
@@ -88,6 +93,28 @@ from weightsync.transports.net.wire import split_address
 logger = logging.getLogger(__name__)
 
 BACKEND = "weightsync"
+#: how many ended trainer sessions a server remembers (their updates and inits are refused)
+ENDED_SESSIONS = 64
+#: in every refusal of a session (the trainer finds it in the server's error text)
+ONE_TRAINER = "one trainer per server at a time"
+#: a trainer session id: what ``secrets.token_hex`` makes, bounded
+_SESSION_CHARS = frozenset("0123456789abcdefABCDEF")
+
+
+def checked_session(session: Any, what: str) -> str:
+    """A trainer session id as it came in ``init_info``/``update_info``: "" (none, e.g. a
+    direct call) or 8 to 64 hex digits; ValueError naming ``what`` otherwise."""
+    if session is None or session == "":
+        return ""
+    if (not isinstance(session, str) or not 8 <= len(session) <= 64
+            or not set(session) <= _SESSION_CHARS):
+        raise ValueError(f"{what} must be a trainer session id (8 to 64 hex digits, as the "
+                         f"weightsync trainer engine sends), got {session!r}")
+    return session
+
+
+def _session_name(session: str | None) -> str:
+    return f"trainer session {session}" if session else "an init without a trainer session"
 
 
 @dataclass
@@ -107,9 +134,14 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     adapter: str = ""  # a LoRA adapter's versions, not full weights (vllm serve --enable-lora)
     adapter_dir: str = ""  # where this server's host keeps them (the trainer names it)
     adapter_keep: int = 4
+    #: the trainer engine's session id (one per trainer engine): a server serves one
+    #: session at a time, and an init of another session ends the one before (its updates
+    #: are refused from then on); "" (a direct call) ends it too, and is never refused
+    session: str = ""
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
+        self.session = checked_session(self.session, "init_info session")
         if self.adapter:
             check_adapter_name(self.adapter)
             if not os.path.isabs(self.adapter_dir):
@@ -143,9 +175,14 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
 
     version: int | None = None
     timeout: float | None = None
+    #: the trainer session it comes from (the weightsync trainer engine sends its own): the
+    #: update is refused unless that session initialised the server last; "" (a direct
+    #: call, the directory path's manual updates) is not checked
+    session: str = ""
 
     def __post_init__(self) -> None:
         """Versions are ints (3.9 or True is refused, never truncated); timeouts finite."""
+        self.session = checked_session(self.session, "update_info session")
         if self.version is not None:
             self.version = checked_int(self.version, "update_info version")
         self.timeout = checked_timeout(self.timeout, "update_info timeout")
@@ -194,6 +231,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.adapter: WeightSyncInitInfo | None = None  # the session, when it serves an adapter
         self.adapter_files: AdapterFiles | None = None  # its files (local rank 0 writes them)
         self.retired_files: list[AdapterFiles] = []  # an earlier session's, still named
+        self.session: str | None = None  # the trainer session that initialised it last
+        self.ended: dict[str, str] = {}  # ended session -> the one that took over
         engine_id = f"{getattr(self.vllm_config, 'instance_id', '')}/{os.getppid()}"
         self.staging = staging_directory(engine_id)
         self.host_label = host_name(engine_id)
@@ -208,7 +247,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         """Attach to the directory and load its newest committed version (so a layout that
         does not fit the served model fails here, with ``SchemaMismatchError``); on the
         network path, first have this host's receiver fetch the trainer's current version
-        into the host-local staging directory."""
+        into the host-local staging directory. An init of another trainer session takes the
+        server over (see ``_take_session``)."""
+        self._take_session(init_info.session)
         self.shutdown()
         if init_info.adapter:
             self._init_adapter(init_info)
@@ -244,6 +285,53 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.receiver = receiver
         logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
                     receiver.version)
+
+    def _take_session(self, session: str) -> None:
+        """One trainer per server at a time: an init of another trainer session ends the
+        current one (its next update is refused, naming both, so it never loads another
+        trainer's weights under its own label); a session once ended cannot come back (a
+        new trainer engine takes the server back). An init without a session (a direct
+        call) is never refused."""
+        where = f"vLLM worker {self.worker_idx} on {self.host_label}"
+        if session and session in self.ended:
+            taken_by = self.ended[session]
+            raise TrainerSessionEndedError(
+                f"{where}: refused an init of trainer session {session}: it ended when "
+                f"{_session_name(taken_by)} took this server over ({ONE_TRAINER}); a new "
+                "trainer engine (a new session) takes it back",
+                session=session, taken_by=taken_by)
+        current = self.session
+        if current is not None and current != session:
+            if current:
+                self.ended[current] = session
+                while len(self.ended) > ENDED_SESSIONS:
+                    del self.ended[next(iter(self.ended))]
+            logger.warning("%s: %s takes this server over from %s; updates of the latter are "
+                           "refused from now on", where, _session_name(session),
+                           _session_name(current))
+        self.session = session
+
+    def _check_session(self, update_info: WeightSyncUpdateInfo) -> None:
+        """Refuse an update of a trainer session other than the one that initialised this
+        server last (an update without a session is not checked)."""
+        session = update_info.session
+        if not session or session == self.session or self.session is None:
+            return  # None: never initialised (the update says to init first)
+        where = f"vLLM worker {self.worker_idx} on {self.host_label}"
+        what = "an update" if update_info.version is None else f"version {update_info.version}"
+        if session in self.ended:
+            taken_by = self.ended[session]
+            raise TrainerSessionEndedError(
+                f"{where}: refused {what} of trainer session {session}: "
+                f"{_session_name(taken_by)} initialised this server since and took it over "
+                f"({ONE_TRAINER}), so session {session} ended; the server keeps serving "
+                f"what {_session_name(taken_by)} loaded. Stop one of the trainers; a new "
+                "trainer engine takes the server back at its init",
+                session=session, taken_by=taken_by)
+        raise TrainerSessionEndedError(
+            f"{where}: refused {what} of trainer session {session}: {ONE_TRAINER}, and "
+            f"this server was initialised last by {_session_name(self.session)}, not by "
+            f"session {session}", session=session, taken_by=self.session)
 
     def _init_adapter(self, init_info: WeightSyncInitInfo) -> None:
         """A LoRA adapter's versions: the base weights stay as served; this host's first
@@ -317,6 +405,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        self._check_session(update_info)
         if self.adapter is not None:
             self._receive_adapter(update_info.version, update_info.timeout)
             return
@@ -468,6 +557,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._adapter_dirs: dict[int, str] = {}  # per server: where its host keeps versions
         self._adapter_load = "inplace"
         self._reset_cache = True  # empty each HTTP server's prefix cache after a load
+        #: this engine's session id, in every init and update it sends: a server serves one
+        #: trainer session at a time (another's init ends this one: TrainerSessionEndedError)
+        self.session = secrets.token_hex(8)
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -507,7 +599,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             engine.version = engine.sender.update_weights(weights)
         client.init_weight_transfer_engine({
             "directory": init_info.directory, "timeout": init_info.timeout,
-            "num_workers": init_info.num_workers, **engine._adapter_info(0),
+            "num_workers": init_info.num_workers, "session": engine.session,
+            **engine._adapter_info(0),
         })
         engine._reset_prefix_cache(client)
         engine._load_adapter(0, client)
@@ -648,7 +741,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         token = host_credential(self._token, f"server{index}")
         info: dict[str, Any] = {"address": self._publisher().address, "token": token,
                                 "ticket": secrets.token_hex(8), "timeout": self.timeout,
-                                **self._adapter_info(index)}
+                                "session": self.session, **self._adapter_info(index)}
         if self.lead is not None:
             info["addresses"] = list(self.addresses)
         client.init_weight_transfer_engine(info)
@@ -719,11 +812,17 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         streams = self._publisher().wait_streams(self.version, expected, 5.0)
         self._record(what, time.perf_counter() - started, streams, errors)
         if errors:
-            detail = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in errors.items())
-            raise WeightSyncError(
-                f"version {self.version} ({what}) is not served by {len(errors)} of "
-                f"{len(self.clients)} servers: {detail}"
-            ) from next(iter(errors.values()))
+            detail = "; ".join(f"{name}: {type(exc).__name__}: {_server_said(exc)}"
+                               for name, exc in errors.items())
+            message = (f"version {self.version} ({what}) is not served by {len(errors)} of "
+                       f"{len(self.clients)} servers: {detail}")
+            taken = [name for name, exc in errors.items() if _session_ended(exc)]
+            if taken:  # re-initialising them would only be refused: this session ended there
+                raise TrainerSessionEndedError(
+                    f"trainer session {self.session}: another trainer took over server(s) "
+                    f"{taken} ({ONE_TRAINER}); {message}",
+                    session=self.session) from next(iter(errors.values()))
+            raise WeightSyncError(message) from next(iter(errors.values()))
 
     def _record(self, what: str, seconds: float, streams: list[StreamFigures],
                 errors: dict[str, BaseException]) -> None:
@@ -766,7 +865,15 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             return
         assert self.sender is not None
         self.version = self.sender.update_weights(None if self.adapter is not None else weights)
-        self._update_server(0, self.client, self.version)
+        try:
+            self._update_server(0, self.client, self.version)
+        except Exception as exc:  # the server's refusal, as its client raised it: named
+            if isinstance(exc, TrainerSessionEndedError) or not _session_ended(exc):
+                raise
+            raise TrainerSessionEndedError(
+                f"trainer session {self.session}: another trainer took over server "
+                f"{_server_name(self.client)} ({ONE_TRAINER}): {_server_said(exc)}",
+                session=self.session) from exc
 
     def _update_server(self, index: int, client: Any, version: int | None = None) -> None:
         """vLLM's update calls for server ``index`` (initialised again first if it failed),
@@ -778,7 +885,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             self._init_server(index, client)
             self._needs_init.discard(index)
         client.start_weight_update()
-        client.update_weights({"version": version})
+        client.update_weights({"version": version, "session": self.session})
         try:
             self._load_adapter(index, client)
             self._reset_prefix_cache(client)
@@ -816,6 +923,23 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             if ranks is not None:
                 ranks.close()
         self.lead = self.member = None
+
+
+def _server_said(exc: BaseException) -> str:
+    """A server's error as its client raised it, with what the server said: over HTTP
+    (requests' ``HTTPError``) the message is in the reply's body, not in the error."""
+    body = getattr(getattr(exc, "response", None), "text", None)
+    if not isinstance(body, str) or not body:
+        return str(exc)
+    with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):  # not vLLM's JSON
+        body = str(json.loads(body)["error"]["message"])
+    return f"{exc} (the server said: {body[:4000]})"
+
+
+def _session_ended(exc: BaseException) -> bool:
+    """Whether a server's error (as its client raised it) is its
+    ``TrainerSessionEndedError``."""
+    return isinstance(exc, TrainerSessionEndedError) or ONE_TRAINER in _server_said(exc)
 
 
 def _shard_flat(source: Any) -> dict[str, Any]:

@@ -89,6 +89,26 @@ class WireFigures:
 class _Snapshot:
     id: str
     buffers: Buffers
+    version: int | None = None  # the version it was packed for
+
+
+#: why a node gets a version whole instead of deltas: the keys of
+#: ``stats()["whole_versions"]``
+WHOLE_FIRST = "first_version"  # nothing was sent before: no base anywhere
+WHOLE_NO_BASE = "no_base"  # the node verified nothing the trainer knows of (see the log)
+WHOLE_NEW_ACTOR = "new_actor"  # the actor that verified the base was replaced
+WHOLE_BEHIND = "behind"  # the node holds an older version (it skipped one)
+WHOLE_REFUSED = "refused"  # the node refused the delta (checksums): resent whole
+WHOLE_REASONS = (WHOLE_FIRST, WHOLE_NO_BASE, WHOLE_NEW_ACTOR, WHOLE_BEHIND, WHOLE_REFUSED)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The snapshot a worker's node verified last, and the actor that said so."""
+
+    handle: Any
+    snapshot_id: str
+    version: int | None
 
 
 @dataclass
@@ -100,7 +120,11 @@ class DeltaSender:
     nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     latest: _Snapshot | None = None
     previous: _Snapshot | None = None
-    bases: dict[int, tuple[Any, str]] = field(default_factory=dict)  # worker -> (handle, id)
+    bases: dict[int, _Held] = field(default_factory=dict)  # worker -> what its node holds
+    #: worker -> why the trainer does not know its node's base (its last answer lacked one)
+    unknown: dict[int, str] = field(default_factory=dict)
+    #: versions sent whole to a node, by reason (``WHOLE_REASONS``), since the start
+    whole_versions: dict[str, int] = field(default_factory=dict)
     _spare: Buffers | None = None
     _count: int = 0
     _local: threading.local = field(default_factory=threading.local)  # one encoder a thread
@@ -114,27 +138,57 @@ class DeltaSender:
             self._spare = self.layout.allocate()
         return self._spare
 
-    def packed(self, buffers: Buffers) -> str:
-        """``buffers`` (from :meth:`next_buffers`) now hold the newest snapshot; its id."""
+    def packed(self, buffers: Buffers, version: int | None = None) -> str:
+        """``buffers`` (from :meth:`next_buffers`) now hold the newest snapshot (of
+        ``version``); its id."""
         self._count += 1
-        snapshot = _Snapshot(f"{self.nonce}:{self._count}", buffers)
+        snapshot = _Snapshot(f"{self.nonce}:{self._count}", buffers, version)
         self.previous, self.latest = self.latest, snapshot
         self._spare = None
         return snapshot.id
 
     def base_for(self, worker_idx: int, handle: Any) -> str | None:
-        """The snapshot a delta for this worker's node is taken against (None: whole)."""
-        held = self.bases.get(worker_idx)
-        if held is None or held[0] is not handle or self.previous is None:
+        """The snapshot a delta for this worker's node is taken against (None: whole, see
+        :meth:`why_whole`)."""
+        if self.why_whole(worker_idx, handle) is not None or self.previous is None:
             return None
-        return held[1] if held[1] == self.previous.id else None
+        return self.previous.id
 
-    def remember(self, worker_idx: int, handle: Any, snapshot_id: str | None) -> None:
-        """The snapshot this worker's node verified last (None: unknown)."""
+    def why_whole(self, worker_idx: int, handle: Any) -> tuple[str, str] | None:
+        """Why this worker's node (its actor ``handle``) gets the newest snapshot whole:
+        ``(reason, what happened)``, the reason one of ``WHOLE_REASONS``; None: it gets
+        deltas against the previous snapshot."""
+        previous = self.previous
+        if previous is None:
+            return WHOLE_FIRST, "nothing was sent before, so no node holds a base"
+        held = self.bases.get(worker_idx)
+        if held is None:
+            return WHOLE_NO_BASE, self.unknown.get(worker_idx,
+                                                   "its node has verified no version yet")
+        if held.handle is not handle:
+            return WHOLE_NEW_ACTOR, (f"a new actor: the one that verified "
+                                     f"{_version_name(held.version)} was replaced")
+        if held.snapshot_id != previous.id:
+            return WHOLE_BEHIND, (f"its node holds {_version_name(held.version)}, the deltas "
+                                  f"are against {_version_name(previous.version)} (it missed "
+                                  "a version)")
+        return None
+
+    def remember(self, worker_idx: int, handle: Any, snapshot_id: str | None,
+                 why: str = "its node named no verified version") -> None:
+        """The snapshot this worker's node verified last (None: unknown, ``why``)."""
         if snapshot_id is None:
             self.bases.pop(worker_idx, None)
-        else:
-            self.bases[worker_idx] = (handle, snapshot_id)
+            self.unknown[worker_idx] = why
+            return
+        version = next((s.version for s in (self.latest, self.previous)
+                        if s is not None and s.id == snapshot_id), None)
+        self.bases[worker_idx] = _Held(handle, snapshot_id, version)
+        self.unknown.pop(worker_idx, None)
+
+    def count_whole(self, reason: str) -> None:
+        """One node got a version whole for ``reason`` (``stats()["whole_versions"]``)."""
+        self.whole_versions[reason] = self.whole_versions.get(reason, 0) + 1
 
     def _encode(self, index: int, piece: torch.Tensor, base: torch.Tensor | None,
                 base_id: str | None, fill: FillChunk | None) -> _Encoded:
@@ -203,6 +257,10 @@ class DeltaSender:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _version_name(version: int | None) -> str:
+    return "an earlier version" if version is None else f"version {version}"
 
 
 class DeltaReceiver:

@@ -65,6 +65,7 @@ class RayMembers:
         self.rendezvous_name = rendezvous_name
         self._store_timeout = store_timeout
         self.handles: dict[int, Any] = {}
+        self.nodes: dict[int, str] = {}  # the Ray node id each actor's layout check named
         self.reported: set[int] = set()  # dead or silent, already reported
         self.members: dict[int, Any] = {}  # in the current group generation
         self.followers: dict[int, int] = {}  # member -> the relay it copies from
@@ -98,7 +99,17 @@ class RayMembers:
         except self._ray.exceptions.GetTimeoutError:
             return  # the next call looks again
         for idx, handle in announced.items():
-            logger.info("worker %d announced a (new) actor; it joins at the next send", idx)
+            known = self.handles.get(idx)
+            if known is not None and same_actor(known, handle):
+                # an actor whose constructor announced it after the trainer was handed its
+                # handle (or a restarted one): the known handle stays, so the trainer still
+                # knows what its node holds (a restarted actor refuses its first delta and
+                # gets that version whole); the group is rebuilt in case it restarted
+                logger.info("worker %d announced its actor again (%s, known already); the "
+                            "group is rebuilt at the next send", idx, actor_id(handle))
+                handle = known
+            else:
+                logger.info("worker %d announced a (new) actor; it joins at the next send", idx)
             self.replace(idx, handle)
 
     def wait_for_handles(self, deadline: Deadline) -> None:
@@ -116,6 +127,11 @@ class RayMembers:
                     "actors (weightsync_setup) after the sender", worker_ids=missing,
                 )
             time.sleep(deadline.slice(0.05))
+
+    def where(self, worker_idx: int) -> str:
+        """Where worker ``worker_idx``'s actor runs, for messages."""
+        node = self.nodes.get(worker_idx)
+        return "node unknown" if node is None else f"node {node[:12]}"
 
     def answers(self, refs: Mapping[int, Any], timeout: float | None) -> Answers:
         return collect_answers(self._ray, refs, timeout)
@@ -148,6 +164,7 @@ class RayMembers:
                                           expected=err.expected, got=err.got) from err
             raise WeightSyncError(f"worker {w} failed its layout check: {err}") from err
         dead, silent = dict(checked.dead), dict(checked.silent)
+        self.nodes.update({w: n for w, n in checked.values.items() if isinstance(n, str)})
         candidates = {w: h for w, h in candidates.items() if w in checked.values}
         on_node = self._attach_local(local, candidates, dead, silent, deadline)
         candidates = {w: h for w, h in candidates.items() if w not in dead and w not in silent}
@@ -262,6 +279,26 @@ class RayMembers:
             self._ray.kill(self.rendezvous)
         except Exception as exc:  # Ray already shut down: nothing left to kill
             logger.debug("rendezvous actor not killed: %s", exc)
+
+
+def actor_id(handle: Any) -> str | None:
+    """The Ray actor id behind ``handle`` (an actor handle, or a wrapper that holds one as
+    ``actor``, as TorchRL's collectors), or None if it names none."""
+    ident = getattr(handle, "_actor_id", None)
+    if ident is None:
+        ident = getattr(getattr(handle, "actor", None), "_actor_id", None)
+    if ident is None:
+        return None
+    return str(ident.hex()) if hasattr(ident, "hex") else str(ident)
+
+
+def same_actor(a: Any, b: Any) -> bool:
+    """Whether two handles name the same Ray actor (the rendezvous hands back a copy of a
+    handle, never the object the trainer was given)."""
+    if a is b:
+        return True
+    ident = actor_id(a)
+    return ident is not None and ident == actor_id(b)
 
 
 def _followers(remote: list[int], nodes: Mapping[int, Any]) -> dict[int, int]:

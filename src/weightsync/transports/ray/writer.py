@@ -34,7 +34,12 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.delta.codec import check_available
 from weightsync.transports.ray.answers import Answers
 from weightsync.transports.ray.delivery import Broadcast, Delivery, DeltaStream
-from weightsync.transports.ray.delta_stream import DeltaSender, WireFigures
+from weightsync.transports.ray.delta_stream import (
+    WHOLE_FIRST,
+    WHOLE_REFUSED,
+    DeltaSender,
+    WireFigures,
+)
 from weightsync.transports.ray.group import FillChunk, _chunks, bucket_buffers, wire_device
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
 from weightsync.transports.ray.node_local import NodeLocalSender
@@ -208,7 +213,8 @@ class RayWriter:
             fill = streamed_pack(wire_layout, flat, buffers)  # packed (and cast) as it goes out
         else:
             wire_layout.pack(flat, buffers)
-        snapshot_id = self._delta.packed(buffers) if self._delta is not None else None
+        snapshot_id = (self._delta.packed(buffers, version) if self._delta is not None
+                       else None)
         if local is not None and to_local:
             local.publish(wire_layout.named_views(buffers), local_keep, version,
                           deadline.remaining())
@@ -266,15 +272,27 @@ class RayWriter:
 
     def _streams(self, flight: _Flight) -> dict[int, DeltaStream]:
         """Delta: what each rank that needs the version is streamed (the snapshot and the
-        ``base`` its deltas are against, None: whole); ranks whose actor and followers
-        all are left out by ``worker_ids`` get nothing."""
+        ``base`` its deltas are against, None: whole, logged with the reason); ranks whose
+        actor and followers all are left out by ``worker_ids`` get nothing."""
         members, delta = self.members, self._delta
         assert members.group is not None and delta is not None
-        streams = {}
+        streams, first = {}, []
         for w, rank in members.group.info.ranks.items():
             if w in flight.keep or any(f in flight.keep for f in members.relays_of(w)):
-                streams[rank] = DeltaStream(flight.snapshot_id,
-                                            delta.base_for(w, members.members.get(w)))
+                handle = members.members.get(w)
+                streams[rank] = DeltaStream(flight.snapshot_id, delta.base_for(w, handle))
+                why = delta.why_whole(w, handle)
+                if why is None:
+                    continue
+                delta.count_whole(why[0])
+                if why[0] == WHOLE_FIRST:
+                    first.append(w)
+                else:
+                    logger.info("version %d goes whole to worker %d (%s): %s [%s]",
+                                flight.version, w, members.where(w), why[1], why[0])
+        if first:
+            logger.info("version %d goes whole to worker(s) %s: the first version sent, no "
+                        "node holds a base yet [%s]", flight.version, first, WHOLE_FIRST)
         return streams
 
     def _stream(self, flight: _Flight, targets: dict[int, str | None],
@@ -338,7 +356,8 @@ class RayWriter:
     def _resend_refused(self, flight: _Flight, answers: Answers, deadline: Deadline) -> Answers:
         """Delta: a node whose rebuilt version failed its checksums (it raised
         IntegrityError and kept its base) gets the version whole, at once."""
-        members, group = self.members, self.members.group
+        members, group, delta = self.members, self.members.group, self._delta
+        assert delta is not None
         refused = {w: a["refused"] for w, a in answers.values.items()
                    if isinstance(a, dict) and a.get("refused")}
         if not refused or group is None:
@@ -347,6 +366,8 @@ class RayWriter:
             logger.warning("worker %d refused the delta of version %d (%s); sending it whole",
                            w, flight.version, why)
         flight.figures.delta_refused += len(refused)
+        for _ in refused:
+            delta.count_whole(WHOLE_REFUSED)
         refs: dict[int, Any] = {}
         targets: dict[int, str | None] = {}
         assert isinstance(flight.delivery, Delivery)
@@ -367,13 +388,23 @@ class RayWriter:
         return answers
 
     def _note_bases(self, flight: _Flight, answers: Answers) -> None:
-        """Delta: the snapshot each streamed node verified (its answer says), else none."""
-        delta, members = self._delta, self.members
+        """Delta: the snapshot each streamed node verified (its answer says), else none,
+        and why not (the next version goes whole to it, and says so)."""
+        delta, members, version = self._delta, self.members, flight.version
         assert delta is not None
         for w in (members.group.info.ranks if members.group is not None else flight.refs):
             answer = answers.values.get(w)
             base = answer.get("base") if isinstance(answer, dict) else None
-            delta.remember(w, members.handles.get(w), base if isinstance(base, str) else None)
+            if w in answers.dead:
+                why = f"its actor died while taking version {version}: {answers.dead[w]}"
+            elif w in answers.silent:
+                why = f"it did not answer version {version}: {answers.silent[w]}"
+            elif w in answers.errors:
+                why = f"it failed to take version {version}: {answers.errors[w]}"
+            else:
+                why = f"its answer to version {version} named no verified version"
+            delta.remember(w, members.handles.get(w), base if isinstance(base, str) else None,
+                           why)
 
     def _relayed(self, flight: _Flight, answers: Answers, deadline: Deadline) -> Answers:
         """Signal each follower once its relay answered (with the segments it names), and
@@ -395,6 +426,11 @@ class RayWriter:
             answers.silent |= more.silent
             answers.errors |= more.errors
         return answers
+
+    def whole_versions(self) -> dict[str, int]:
+        """Delta: versions sent whole to a node since the start, by reason (see
+        ``delta_stream.WHOLE_REASONS``); empty without ``delta``."""
+        return {} if self._delta is None else dict(self._delta.whole_versions)
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         """Nothing more: the actors that took ``version`` answered ``wait_acked``."""
