@@ -8,12 +8,12 @@ deadline)."""
 from __future__ import annotations
 
 import errno
-import select
 import socket
 import time
 
 from weightsync.core.deadline import Deadline
 from weightsync.transports.local.channel import Channel, ChannelTimeout
+from weightsync.transports.net.listener import accept_ready
 from weightsync.transports.net.wire import split_address
 
 _RETRY = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
@@ -34,15 +34,17 @@ class TcpRankListener:
         self.address = address
 
     def accept(self, timeout: float | None = 0.0) -> Channel | None:
-        """A new connection within ``timeout``, or None; OSError once closed."""
-        try:
-            ready, _, _ = select.select([self._sock], [], [], timeout)
-        except ValueError as exc:  # closed meanwhile
-            raise OSError("the rank listener is closed") from exc
-        if not ready:
+        """A new connection within ``timeout``, or None; ``ListenerClosed`` (an OSError)
+        once closed, accept()'s OSError otherwise (the rank hub's accept loop retries it)."""
+        taken = accept_ready(self._sock, timeout)
+        if taken is None:
             return None
-        conn, _ = self._sock.accept()
-        return _tcp(conn)
+        conn = taken[0]
+        try:
+            return _tcp(conn)
+        except OSError:
+            conn.close()
+            raise
 
     def close(self) -> None:
         self._sock.close()

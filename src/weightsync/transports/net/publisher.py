@@ -20,6 +20,12 @@ import torch
 
 from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaEncoder
 from weightsync.transports.net.handshake import HandshakeError, accept_peer
+from weightsync.transports.net.listener import (
+    HANDSHAKE_TIMEOUT,
+    AcceptLoop,
+    Admission,
+    accept_ready,
+)
 from weightsync.transports.net.packed import PackedVersion, chunk_count
 from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import (
@@ -74,9 +80,12 @@ class VersionPublisher:
         self._streaming: dict[int, int] = {}  # version -> streams begun and not yet recorded
         self._connections: set[socket.socket] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="weightsync-net-listener",
-                                        daemon=True)
-        self._thread.start()
+        self._acceptor = AcceptLoop(
+            lambda timeout: accept_ready(self._listener, timeout), self._accept,
+            socket_of=lambda taken: taken[0], what=f"the trainer's listener at {self.address}",
+            handshake_timeout=min(timeout, HANDSHAKE_TIMEOUT), name="weightsync-net-listener",
+            connection_name="weightsync-net-stream")
+        self._acceptor.start()
         logger.info("listening for weightsync hosts at %s", self.address)
 
     # ------------------------------------------------------------------ the trainer's calls
@@ -141,40 +150,35 @@ class VersionPublisher:
         with self._cond:
             self._closed = True
             connections = list(self._connections)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
+        self._acceptor.stop(timeout=5, wake=lambda: self._listener.shutdown(socket.SHUT_RDWR))
         self._listener.close()
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
 
     # ------------------------------------------------------------------ serving hosts
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._cond:
-                if self._closed:
-                    conn.close()
-                    return
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
-                             name="weightsync-net-stream", daemon=True).start()
+    def _accept(self, taken: tuple[socket.socket, str], admission: Admission) -> None:
+        """A connection the accept loop (``net.listener``) took, on a thread of its own."""
+        conn, peer = taken
+        with self._cond:
+            if self._closed:
+                conn.close()
+                return
+            self._connections.add(conn)
+        self._serve(conn, peer, admission)
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, peer: str, admission: Admission) -> None:
         figures: StreamFigures | None = None
         try:
-            conn.settimeout(self.timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                name, seal = accept_peer(conn, self.token)
+                name, seal = accept_peer(conn, self.token, admission.deadline)
                 host = f"{name} at {peer}"
             except (HandshakeError, ProtocolError, OSError) as exc:
-                logger.warning("refused a connection from %s: %s", peer, exc)
+                admission.refused("refused a connection from %s: %s", peer, exc)
                 return
+            admission.done()  # authenticated: no longer among the pending handshakes
+            conn.settimeout(self.timeout)
             request = recv_frame(conn, seal=seal, what=f"the request of host {host}")
             packed, base, whole = self._choose(request)
             if packed is None:

@@ -43,6 +43,7 @@ from weightsync.transports.local.auth import (
     read_frame,
 )
 from weightsync.transports.local.channel import Channel, ChannelClosed, ChannelTimeout, Message
+from weightsync.transports.net.listener import AcceptLoop, Admission
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
 logger = logging.getLogger(__name__)
@@ -110,25 +111,19 @@ class RankHub:
         #: the newest version committed, told to a rank that joins
         self.committed = NO_VERSION
         self._stop = False
-        self._thread = threading.Thread(target=self._accept_loop, name="weightsync-ranks",
-                                        daemon=True)
+        # accept errors (EMFILE, ...) are retried, pending handshakes capped, each with
+        # one deadline: a flood of connections cannot kill the board
+        self._acceptor: AcceptLoop[Channel] = AcceptLoop(
+            self._listener.accept, self._admit, socket_of=lambda channel: channel.socket,
+            what="trainer rank 0's rank board", handshake_timeout=HANDSHAKE_TIMEOUT,
+            name="weightsync-ranks", connection_name="weightsync-rank-handshake")
 
     def start(self) -> None:
-        self._thread.start()
+        self._acceptor.start()
 
     # ------------------------------------------------------------------ admitting ranks
-    def _accept_loop(self) -> None:
-        while not self._stop:
-            try:
-                channel = self._listener.accept(timeout=0.2)
-            except OSError:
-                return
-            if channel is not None:
-                threading.Thread(target=self._admit, args=(channel,), daemon=True,
-                                 name="weightsync-rank-handshake").start()
-
-    def _admit(self, channel: Channel) -> None:
-        deadline = Deadline(HANDSHAKE_TIMEOUT)
+    def _admit(self, channel: Channel, admission: Admission) -> None:
+        deadline = admission.deadline
         try:
             pid, who = 0, "a process at " + _peer_name(channel)
             if self._uid is not None:
@@ -167,9 +162,10 @@ class RankHub:
                 self.cond.notify_all()
             logger.info("trainer rank %d joined (%s)", rank, who)
         except (HandshakeError, ChannelClosed, ChannelTimeout, TimeoutError, OSError) as exc:
-            logger.warning("refused a trainer-rank connection: %s", exc)
+            admission.refused("refused a trainer-rank connection: %s", exc)
             channel.close()
             return
+        admission.done()  # admitted: its read loop is no handshake
         threading.Thread(target=self._read_loop, args=(connection,), daemon=True,
                          name=f"weightsync-rank-{rank}").start()
 
@@ -304,8 +300,7 @@ class RankHub:
 
     def close(self) -> None:
         self._stop = True
-        if self._thread.is_alive():
-            self._thread.join(1.0)
+        self._acceptor.stop(1.0)
         self._listener.close()
         with self.cond:
             for connection in self.connections.values():
