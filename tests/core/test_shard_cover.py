@@ -6,6 +6,7 @@ Ray relay's ``receive_pieces``. Counting elements is not enough."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -64,19 +65,33 @@ def test_a_tiling_passes_in_rows_columns_and_blocks():
 def test_a_two_dimensional_gap_or_overlap_is_named(parts, match):
     shape = () if parts[0][1] == [] else (4, 6)
     problem = cover_problem("w", shape, parts)
-    assert problem is not None and __import__("re").search(match, problem), problem
+    assert problem is not None and re.search(match, problem), problem
 
 
 def test_a_split_of_many_ranks_is_checked_quickly():
-    """Rows of 1024 ranks, and columns of 1024 ranks: the sweep compares neighbours."""
+    """Rows of 4096 parts, and columns of 4096: the sweep compares neighbours (every pair
+    would be 8 million comparisons each)."""
     import time
 
     started = time.monotonic()
-    rows = [(r, [r, r + 1, 0, 8]) for r in range(1024)]
-    columns = [(r, [0, 8, r, r + 1]) for r in range(1024)]
-    assert cover_problem("w", (1024, 8), rows) is None
-    assert cover_problem("w", (8, 1024), columns) is None
+    rows = [(r, [r, r + 1, 0, 8]) for r in range(4096)]
+    columns = [(r, [0, 8, r, r + 1]) for r in range(4096)]
+    assert cover_problem("w", (4096, 8), rows) is None
+    assert cover_problem("w", (8, 4096), columns) is None
     assert time.monotonic() - started < 2.0
+
+
+def test_regions_that_passed_before_and_then_changed_in_place_are_checked_again():
+    """A receiver is sent the same regions each version, and a pass is remembered: what is
+    remembered is a copy, so regions changed in place since are checked again."""
+    regions = _by_rank([[0, 2], [2, 4]])
+    check_parts({"w": (4,)}, regions, "host h")
+    check_parts({"w": (4,)}, regions, "host h")
+    regions[1]["w"][0] = 1  # now [0,2) and [1,4)
+    with pytest.raises(IntegrityError, match=r"both write elements \[1:2\]"):
+        check_parts({"w": (4,)}, regions, "host h")
+    with pytest.raises(IntegrityError, match=r"no trainer rank writes elements \[4:5\]"):
+        check_parts({"w": (5,)}, _by_rank([[0, 2], [2, 4]]), "host h")  # another shape
 
 
 # ---------------------------------------------------------------- the network host
