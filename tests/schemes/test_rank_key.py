@@ -43,6 +43,42 @@ def test_the_rank_key_stays_out_of_the_workers_copy(make):
         assert again.config.rank_key != key  # each scheme draws its own
 
 
+def test_the_workers_copy_holds_no_key_without_pickling(make):
+    """Handed to a thread or a fork (no pickle), the workers' copy refuses to be a rank in
+    every form: rank 0 or another, keyword or positional, or made a rank's copy again."""
+    import dataclasses
+    import threading
+
+    scheme = make(2)
+    key = scheme.config.rank_key
+    as_worker = scheme.for_workers()
+    assert as_worker.config.rank_key == ""
+    assert key not in [getattr(as_worker.config, f.name)
+                       for f in dataclasses.fields(as_worker.config)]
+    assert scheme.config.rank_key == key  # the scheme itself keeps it
+    forms = [lambda: as_worker.create_sender(rank=0), lambda: as_worker.create_sender(rank=1)]
+    if not isinstance(scheme, ws.RayWeightSyncScheme):  # Ray's first argument is the actors
+        forms += [lambda: as_worker.create_sender(0), lambda: as_worker.create_sender(1)]
+    for form in forms:
+        with pytest.raises(ValueError, match=r"workers' copy.*for_workers\(\)"):
+            form()
+    with pytest.raises(ValueError, match="workers' copy"):
+        as_worker.for_trainer_ranks()
+    errors: list[BaseException] = []
+
+    def in_a_thread() -> None:
+        try:
+            as_worker.create_sender(rank=1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], ValueError), errors
+    assert as_worker.for_workers().config.rank_key == ""
+
+
 def test_an_unsharded_scheme_has_no_key_and_hands_workers_itself(make):
     scheme = make(1)
     assert scheme.config.rank_key == ""

@@ -101,7 +101,9 @@ def test_the_rank_key_stays_out_of_the_workers_copy():
     with pytest.raises(ValueError, match="workers' copy"):
         as_worker.for_trainer_ranks()
     assert scheme.config.rank_key  # the scheme in this process keeps it
-    again = pickle.loads(pickle.dumps(scheme.for_workers().for_trainer_ranks()))
+    with pytest.raises(ValueError, match="workers' copy"):  # not even in this process
+        scheme.for_workers().for_trainer_ranks()
+    again = pickle.loads(pickle.dumps(scheme.for_trainer_ranks()))
     assert again.config.rank_key == scheme.config.rank_key
     again.create_sender(rank=1).close()
 

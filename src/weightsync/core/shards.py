@@ -10,19 +10,23 @@ a plain tensor on a sharded rank is a full copy, written by rank 0 only.
 
 Each rank builds the same *global* :class:`~weightsync.core.layout.Layout` from shapes and
 dtypes alone, so every rank packs into the same slot at the same offsets; rank 0 checks
-that the regions all ranks announce tile every tensor exactly once (:func:`check_cover`).
+that the regions all ranks announce tile every tensor exactly once (:func:`check_cover`), and
+a receiver that puts the ranks' parts together itself checks them again (:func:`check_parts`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import numbers
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weightsync.core.errors import SchemaMismatchError
+from weightsync.core.errors import IntegrityError, SchemaMismatchError
 from weightsync.core.layout import Layout, TensorSpec
 from weightsync.core.strategy import flat_tensors
 
@@ -186,36 +190,162 @@ def _overlap(a: Region, b: Region) -> bool:
     return all(max(alo, blo) < min(ahi, bhi) for (alo, ahi), (blo, bhi) in zip(a, b, strict=True))
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _claimed(parts: Sequence[tuple[int, Sequence[int]]]) -> int | None:
+    """The elements ``parts`` claim together (overlaps counted twice); None if a region
+    is malformed."""
+    try:
+        return sum(math.prod(int(b[2 * d + 1]) - int(b[2 * d]) for d in range(len(b) // 2))
+                   for _, b in parts)
+    except (TypeError, ValueError):
+        return None
+
+
+def _elements(region: Region) -> str:
+    """``[lo:hi, lo:hi]``: a block of a tensor, as a user indexes it."""
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in region) + "]"
+
+
+def _first_overlap(claims: Sequence[tuple[int, Region]]) -> tuple[int, int, Region] | None:
+    """Two claims that share an element, and the block they share (lower rank first).
+    A sweep along the dimension the regions split most: each region is compared only
+    with those that reach past its start there (one or a few for a row or column split)."""
+    solid = [(rank, region) for rank, region in claims if _volume(region) > 0]
+    if len(solid) < 2:
+        return None
+    dims = len(solid[0][1])
+    if dims == 0:  # a 0-dim tensor: any two writers share its one element
+        first, second = sorted(rank for rank, _ in solid[:2])
+        return first, second, ()
+    axis = max(range(dims), key=lambda d: len({region[d][0] for _, region in solid}))
+    active: list[tuple[int, Region]] = []
+    for rank, region in sorted(solid, key=lambda claim: claim[1][axis]):
+        active = [(r, theirs) for r, theirs in active if theirs[axis][1] > region[axis][0]]
+        for other, theirs in active:
+            if _overlap(region, theirs):
+                shared = tuple((max(alo, blo), min(ahi, bhi))
+                               for (alo, ahi), (blo, bhi) in zip(region, theirs, strict=True))
+                return min(rank, other), max(rank, other), shared
+        active.append((rank, region))
+    return None
+
+
+def _first_gap(shape: Sequence[int], regions: Sequence[Region]) -> Region:
+    """A block of ``shape`` no region covers, given disjoint ``regions`` whose volumes add
+    up to less than the shape's: along the first dimension, the first slab between two
+    region bounds that the regions crossing it do not fill, then the same inside it."""
+    if not shape:
+        return ()
+    need = math.prod(shape[1:])
+    cuts = sorted({0, shape[0], *(r[0][0] for r in regions), *(r[0][1] for r in regions)})
+    for lo, hi in itertools.pairwise(cuts):
+        crossing = [r[1:] for r in regions if r[0][0] <= lo and hi <= r[0][1]]
+        if sum(_volume(r) for r in crossing) < need:
+            return ((lo, hi), *_first_gap(shape[1:], crossing))
+    raise AssertionError(f"no gap in {tuple(shape)} although the regions are short of it")
+
+
+def cover_problem(name: str, shape: Sequence[int],
+                  parts: Sequence[tuple[int, Sequence[int]]]) -> str | None:
+    """Why the ``parts`` of tensor ``name`` (``(trainer rank, flat bounds)``, as
+    :func:`describe_regions` writes them) do not cover each element of ``shape`` exactly
+    once: a region that does not fit, two ranks writing the same block, or a block nobody
+    writes, each named; None when they tile it. Counting elements is not enough: [0,2),
+    [1,2) and [3,4) add up to 4 and leave element 2 unwritten.
+
+    The one check every place that puts parts together uses (rank 0 before any byte moves,
+    and every receiver that assembles the ranks' parts itself)."""
+    shape = tuple(int(d) for d in shape)
+    claims: list[tuple[int, Region]] = []
+    for rank, bounds in parts:
+        flat = list(bounds)
+        if len(flat) != 2 * len(shape) or not all(_is_int(b) for b in flat):
+            return (f"trainer rank {rank}: key {name!r}: region {flat} does not fit shape "
+                    f"{shape} (two int bounds per dimension)")
+        flat = [int(b) for b in flat]
+        region = tuple((flat[2 * d], flat[2 * d + 1]) for d in range(len(shape)))
+        if any(not 0 <= lo <= hi <= size for (lo, hi), size in zip(region, shape, strict=True)):
+            return f"trainer rank {rank}: key {name!r}: region {flat} does not fit shape {shape}"
+        claims.append((rank, region))
+    overlap = _first_overlap(claims)
+    if overlap is not None:
+        first, second, shared = overlap
+        return (f"key {name!r}: trainer ranks {first} and {second} both write elements "
+                f"{_elements(shared)} of shape {shape}: each element needs exactly one writer")
+    numel = math.prod(shape)
+    covered = sum(_volume(region) for _, region in claims)
+    if covered == numel:
+        return None
+    gap = _first_gap(shape, [region for _, region in claims])
+    return (f"key {name!r}: no trainer rank writes elements {_elements(gap)} of shape {shape} "
+            f"(the ranks write {covered} of its {numel} elements)")
+
+
 def check_cover(layout: Layout, regions_by_rank: Mapping[int, Mapping[str, Sequence[int]]]) -> None:
-    """Every tensor of ``layout`` is written exactly once by the ranks together: no two ranks
-    write the same element, none is left out. Raises :class:`SchemaMismatchError` naming
-    the key and the ranks."""
-    claimed: dict[str, list[tuple[int, Region]]] = {name: [] for name in layout.names}
+    """Every tensor of ``layout`` is written exactly once by the ranks together
+    (:func:`cover_problem`): before any byte moves, so a disagreement is the ranks' setup
+    (a rank registered another model, or a shard is missing). Raises
+    :class:`SchemaMismatchError` naming the key and the ranks."""
+    parts: dict[str, list[tuple[int, Sequence[int]]]] = {name: [] for name in layout.names}
     for rank, regions in regions_by_rank.items():
         for name, bounds in regions.items():
-            if name not in claimed:
+            if name not in parts:
                 raise SchemaMismatchError(f"trainer rank {rank} writes key {name!r}, which is "
                                           "not in the layout", key=name)
-            spec = layout[name]
-            region = tuple((int(bounds[2 * d]), int(bounds[2 * d + 1])) for d in range(len(spec.shape)))
-            if len(bounds) != 2 * len(spec.shape) or any(
-                    not 0 <= lo <= hi <= size for (lo, hi), size in zip(region, spec.shape, strict=True)):
-                raise SchemaMismatchError(
-                    f"trainer rank {rank}: key {name!r}: region {list(bounds)} does not fit "
-                    f"{spec.describe()}", key=name)
-            for other, theirs in claimed[name]:
-                if _overlap(region, theirs):
-                    raise SchemaMismatchError(
-                        f"key {name!r}: trainer ranks {other} and {rank} both write "
-                        f"{[list(p) for p in region]} / {[list(p) for p in theirs]}: each "
-                        "element needs exactly one writer", key=name)
-            claimed[name].append((rank, region))
+            parts[name].append((rank, bounds))
     for spec in layout.specs:
-        covered = sum(_volume(region) for _rank, region in claimed[spec.name])
-        if covered != spec.numel:
+        problem = cover_problem(spec.name, spec.shape, parts[spec.name])
+        if problem is not None:
             raise SchemaMismatchError(
-                f"key {spec.name!r} ({spec.describe()}): the trainer ranks write {covered} of "
-                f"its {spec.numel} elements (a rank registered another model, or a shard is "
-                "missing)", key=spec.name, expected=spec.numel, got=covered)
+                f"{problem} ({spec.describe()}: a rank registered another model, or a shard "
+                "is missing)", key=spec.name, expected=spec.numel, got=_claimed(parts[spec.name]))
 
 
+#: the inputs :func:`check_parts` passed last (copies), newest last: a receiver is sent the
+#: same regions version after version, and comparing them again costs far less than the check
+_PASSED: list[tuple[dict[str, list[int]], dict[int, dict[str, list[int]]]]] = []
+_PASSED_LOCK = threading.Lock()
+_PASSED_KEPT = 8
+
+
+def _plain(shapes: Mapping[str, Sequence[int]],
+           regions_by_rank: Mapping[int, Mapping[str, Sequence[int]]],
+           ) -> tuple[dict[str, list[int]], dict[int, dict[str, list[int]]]]:
+    return ({name: list(shape) for name, shape in shapes.items()},
+            {rank: {name: list(bounds) for name, bounds in regions.items()}
+             for rank, regions in regions_by_rank.items()})
+
+
+def check_parts(shapes: Mapping[str, Sequence[int]],
+                regions_by_rank: Mapping[int, Mapping[str, Sequence[int]]], where: str) -> None:
+    """A receiver's check of the parts it is about to put together (``shapes``: each
+    tensor's global shape): every tensor covered exactly once, by regions of tensors it
+    knows (:func:`cover_problem`). Raises :class:`IntegrityError` naming ``where``, the
+    key and the block, before any byte of the parts is used. Regions that passed lately
+    are only compared again."""
+    plain = _plain(shapes, regions_by_rank)
+    with _PASSED_LOCK:
+        if plain in _PASSED:
+            return
+    _check_parts(shapes, regions_by_rank, where)
+    with _PASSED_LOCK:
+        _PASSED.append(plain)
+        del _PASSED[:-_PASSED_KEPT]
+
+
+def _check_parts(shapes: Mapping[str, Sequence[int]],
+                 regions_by_rank: Mapping[int, Mapping[str, Sequence[int]]], where: str) -> None:
+    parts: dict[str, list[tuple[int, Sequence[int]]]] = {name: [] for name in shapes}
+    for rank, regions in regions_by_rank.items():
+        for name, bounds in regions.items():
+            if name not in parts:
+                raise IntegrityError(f"{where}: trainer rank {rank} sends key {name!r}, which "
+                                     "is not in the version's layout; the version is refused")
+            parts[name].append((rank, bounds))
+    for name, shape in shapes.items():
+        problem = cover_problem(name, shape, parts[name])
+        if problem is not None:
+            raise IntegrityError(f"{where}: {problem}; the version is refused")

@@ -40,19 +40,19 @@ class WeightSyncScheme(abc.ABC):
 
     def for_workers(self: S) -> S:
         """What to hand workers: this scheme; a sharded one's (``trainer_ranks > 1``) copy
-        whose pickle leaves its trainer ranks' key out, so that no worker can act as a
-        trainer rank (docs/security.md)."""
+        without its trainer ranks' key (in this process as in its pickle), so that no
+        worker can act as a trainer rank, even in a thread or a fork (docs/security.md)."""
         config = getattr(self, "config", None)
         return for_workers(self) if getattr(config, "rank_key", "") else self
 
     def for_trainer_ranks(self: S) -> S:
         """What to hand a sharded trainer's ranks: this scheme, with the rank key in its
         pickle (its own pickle carries it too; this refuses the workers' copy, which has
-        none)."""
+        none and cannot get it back)."""
         return for_trainer_ranks(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self)  # the workers' copy leaves the rank key out
+        return pickled_state(self)  # the workers' copy holds no rank key
 
     @abc.abstractmethod
     def create_sender(self) -> WeightSender:

@@ -5,8 +5,9 @@ ranks' own secret.
 The rank key: ranks prove to rank 0 a secret beside the workers' token. A scheme with
 ``trainer_ranks > 1`` draws it when created, and its pickle carries it, so that a scheme
 handed to every trainer process works as the contract shows (``create_sender(rank=r)``).
-:func:`for_workers` returns the copy to hand workers: its pickle leaves the key out, so a
-worker handed that copy cannot create a rank's sender, nor pass rank 0's handshake.
+:func:`for_workers` returns the copy to hand workers: it holds no key (in this process, and
+so in its pickle too), so a worker handed that copy, pickled or not (a thread, a fork),
+cannot create a rank's sender, nor pass rank 0's handshake.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from weightsync.core.checks import checked_int
 #: the most trainer ranks one scheme takes (each holds a connection or a file, and a slot
 #: mapping)
 MAX_TRAINER_RANKS = 1024
-
-#: the attribute the workers' copy carries (never pickled: its pickle has no key to drop)
-_WORKERS_ONLY = "_rank_key_withheld"
 
 S = TypeVar("S")
 
@@ -77,23 +75,21 @@ def for_trainer_ranks(scheme: S) -> S:
     config: Any = getattr(scheme, "config", None)
     if getattr(config, "trainer_ranks", 1) > 1:
         checked_rank_key(getattr(config, "rank_key", ""), scheme)
-    out = _copy(scheme)
-    out.__dict__.pop(_WORKERS_ONLY, None)
-    return out
+    return _copy(scheme)
 
 
 def for_workers(scheme: S) -> S:
-    """A copy of ``scheme`` to hand workers: its pickle leaves the rank key out, so a
-    process holding it cannot act as a trainer rank (the scheme in this process keeps it)."""
+    """A copy of ``scheme`` to hand workers: without the rank key, here as in its pickle,
+    so that whoever holds it (another process, or a thread or a fork of this one) cannot
+    act as a trainer rank: ``create_sender(rank=...)`` on it is a ValueError, whatever the
+    rank and however it is passed. The scheme itself keeps the key."""
     out = _copy(scheme)
-    setattr(out, _WORKERS_ONLY, True)
+    config: Any = getattr(out, "config", None)
+    if getattr(config, "rank_key", ""):
+        out.__dict__["config"] = replace(config, rank_key="")
     return out
 
 
 def pickled_state(scheme: Any) -> dict[str, Any]:
-    """``scheme``'s pickled state: with the rank key, except the workers' copy's."""
-    state = dict(scheme.__dict__)
-    withheld = bool(state.pop(_WORKERS_ONLY, False))
-    if withheld and str(getattr(scheme.config, "rank_key", "")):
-        state["config"] = replace(scheme.config, rank_key="")
-    return state
+    """``scheme``'s pickled state: what it holds (the workers' copy holds no rank key)."""
+    return dict(scheme.__dict__)

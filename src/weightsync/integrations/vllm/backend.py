@@ -451,10 +451,14 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.adapter = None  # its staged files stay: vLLM may read them again
 
     def __del__(self) -> None:
+        # At interpreter exit this runs while modules are torn down, their globals already
+        # None (``contextlib`` among them): builtins only, and nothing may escape.
         for owned in (getattr(self, "host", None), getattr(self, "adapter_files", None)):
             if owned is not None:
-                with contextlib.suppress(Exception):
+                try:  # noqa: SIM105 (not contextlib.suppress: the module may be gone by now)
                     owned.close()
+                except Exception:
+                    pass
 
     @property
     def version(self) -> int:

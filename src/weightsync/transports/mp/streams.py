@@ -97,13 +97,19 @@ class SnapshotPool:
 
     def release(self, snapshot: Snapshot) -> None:
         with self._cond:
-            self._readers[id(snapshot)] -= 1
+            left = self._readers[id(snapshot)] - 1
+            if left:
+                self._readers[id(snapshot)] = left
+            else:  # nobody reads it: its id may name another snapshot once it is freed
+                del self._readers[id(snapshot)]
             self._cond.notify_all()
 
     def clear(self) -> None:
+        """Drop every snapshot (the sender closes). The readers' counts stay: a streamer
+        still in a transfer when its ``stop`` gave up waiting for it releases its snapshot
+        when the transfer ends, after this."""
         with self._cond:
             self._snapshots.clear()
-            self._readers.clear()
             self.latest = None
 
 

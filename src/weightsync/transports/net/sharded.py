@@ -41,7 +41,13 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, TrainerRankLostError, WeightSyncError
 from weightsync.core.layout import Layout
-from weightsync.core.shards import ShardPiece, describe_regions, global_layout, local_pieces
+from weightsync.core.shards import (
+    ShardPiece,
+    check_parts,
+    describe_regions,
+    global_layout,
+    local_pieces,
+)
 from weightsync.transports.net.board import TcpRankListener, connect_tcp
 from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.packed import PackedVersion, plan
@@ -299,8 +305,9 @@ class ShardedFetcher:
 
 
 def assemble(parts: Sequence[PackedVersion], where: str) -> dict[str, torch.Tensor]:
-    """The global tensors the ranks' parts tile (rank 0 checked the tiling before any byte
-    was sent): each part's region copied into a tensor of the parts' bounding shape."""
+    """The global tensors the ranks' parts tile: each part's region copied into a tensor of
+    the parts' bounding shape, once the regions are checked to cover each tensor exactly
+    once (``check_parts``; rank 0 checked the ranks' hellos, this checks what arrived)."""
     found: dict[str, list[tuple[torch.Tensor, list[int]]]] = {}
     for rank, part in enumerate(parts):
         tensors = part.tensors()
@@ -310,21 +317,22 @@ def assemble(parts: Sequence[PackedVersion], where: str) -> dict[str, torch.Tens
                 raise IntegrityError(f"host {where}: trainer rank {rank} sent {name!r} without "
                                      "its region")
             found.setdefault(name, []).append((tensor, bounds))
-    out: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
     for name, pieces in found.items():
         dtypes = {t.dtype for t, _ in pieces}
         if len(dtypes) != 1:
             raise IntegrityError(f"host {where}: the ranks sent {name!r} as {sorted(map(str, dtypes))}")
-        dims = len(pieces[0][1]) // 2
-        shape = [max(b[2 * d + 1] for _, b in pieces) for d in range(dims)]
-        whole = torch.empty(shape, dtype=pieces[0][0].dtype)
-        covered = 0
+        dims = {len(b) for _, b in pieces}
+        if len(dims) != 1:
+            raise IntegrityError(f"host {where}: the ranks sent {name!r} with "
+                                 f"{sorted(d // 2 for d in dims)} dimensions")
+        shapes[name] = [max(b[2 * d + 1] for _, b in pieces) for d in range(dims.pop() // 2)]
+    check_parts(shapes, {rank: part.regions for rank, part in enumerate(parts)}, f"host {where}")
+    out: dict[str, torch.Tensor] = {}
+    for name, pieces in found.items():
+        whole = torch.empty(shapes[name], dtype=pieces[0][0].dtype)
         for tensor, bounds in pieces:
-            whole[tuple(slice(bounds[2 * d], bounds[2 * d + 1]) for d in range(dims))].copy_(tensor)
-            covered += tensor.numel()
-        if covered != whole.numel():
-            raise IntegrityError(f"host {where}: the ranks' parts of {name!r} cover {covered} of "
-                                 f"its {whole.numel()} elements")
+            whole[tuple(slice(bounds[2 * d], bounds[2 * d + 1]) for d in range(len(bounds) // 2))
+                  ].copy_(tensor)
         out[name] = whole
     return out
-

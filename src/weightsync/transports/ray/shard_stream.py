@@ -28,7 +28,7 @@ import torch
 
 from weightsync.core.errors import IntegrityError, WeightSyncError
 from weightsync.core.layout import Layout
-from weightsync.core.shards import ShardPiece
+from weightsync.core.shards import ShardPiece, check_parts
 from weightsync.transports.ray.group import WeightGroup, wire_checksum
 from weightsync.transports.ray.p2p import live_pg, signed, wait_work
 
@@ -156,8 +156,16 @@ def receive_pieces(group: WeightGroup, layout: Layout, views: Mapping[str, torch
     tensor view`` of a staging buffer). Returns the bytes received. Raises
     :class:`StreamFailed` naming the ranks whose stream broke (after waiting for the
     others, so that the ranks named are the ones at fault), :class:`IntegrityError` if a
-    chunk does not match its checksum."""
+    chunk does not match its checksum, or if the plan's regions do not cover each tensor
+    exactly once (``check_parts``: then every stream is still taken, so that the ranks
+    are not left waiting, and nothing is written)."""
     pg = live_pg(group)
+    refused: IntegrityError | None = None
+    try:
+        check_parts({spec.name: spec.shape for spec in layout.specs}, regions_by_rank,
+                    f"version {version}")
+    except IntegrityError as exc:
+        refused = exc
     plans = {rank: chunk_plan(layout, regions, chunk_bytes)
              for rank, regions in regions_by_rank.items()}
     posted: dict[int, list[_Posted]] = {}
@@ -208,13 +216,16 @@ def receive_pieces(group: WeightGroup, layout: Layout, views: Mapping[str, torch
             if nbytes != chunk.nbytes or wire_checksum(current.payload) != want & 0xFFFFFFFFFFFFFFFF:
                 bad.append(f"trainer rank {rank} chunk {current.index} (key {chunk.name!r})")
                 continue
-            _place(layout, views, chunk, current.payload)
+            if refused is None:
+                _place(layout, views, chunk, current.payload)
             received += chunk.nbytes
     if failed:
         raise StreamFailed(
             f"version {version}: the stream from trainer rank(s) {sorted(failed)} broke ("
             + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())) + ")",
             ranks=sorted(failed))
+    if refused is not None:
+        raise refused
     if bad:
         raise IntegrityError(f"version {version} arrived corrupted: {len(bad)} chunk(s) differ "
                              f"from their checksums, first: {bad[0]}; it is dropped")
