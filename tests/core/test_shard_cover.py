@@ -171,3 +171,26 @@ def test_the_ray_relay_refuses_a_plan_that_does_not_tile_and_still_takes_every_s
     error, written = out[2]
     assert "version 7: key 'w': trainer ranks 0 and 1 both write elements [1:2]" in str(error)
     assert written == [-1.0] * 4
+
+
+def test_the_network_host_refuses_parts_missing_the_last_block():
+    """The ranks declare each tensor's global shape in the part's header: parts that stop
+    short of it leave a gap, which the bounding shape alone could not show."""
+    from weightsync.transports.net.packed import parse_shapes
+    from weightsync.transports.net.sharded import assemble
+    from weightsync.transports.net.wire import ProtocolError
+
+    first, second = _part(1, torch.ones(2), [0, 2]), _part(1, torch.zeros(2), [2, 4])
+    for part in (first, second):
+        part.shapes = {"w": [6]}
+    with pytest.raises(IntegrityError, match=r"'w'.*\[4:6\]|\[4:6\].*'w'"):
+        assemble([first, second], "host-b")
+    second.shapes = {"w": [4]}
+    with pytest.raises(IntegrityError, match="different global shapes"):
+        assemble([first, second], "host-b")
+    first.shapes = {"w": [4]}
+    assert assemble([first, second], "host-b")["w"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert parse_shapes({"shapes": {"w": [4]}}, {"w": [2, 4]}) == {"w": [4]}
+    for bad in ({}, {"w": [3]}, {"w": [4, 1]}, {"w": ["4"]}):
+        with pytest.raises(ProtocolError, match="global shape"):
+            parse_shapes({"shapes": bad}, {"w": [2, 4]})

@@ -29,6 +29,7 @@ from weightsync.transports.net.packed import (
     parse_header,
     parse_metadata,
     parse_regions,
+    parse_shapes,
 )
 from weightsync.transports.net.seal import TAG_BYTES, Seal
 from weightsync.transports.net.wire import (
@@ -151,6 +152,7 @@ class VersionFetcher:
                                   f"{header['error']}")
         version, session, entries, nbytes = parse_header(header, MAX_VERSION_BYTES)
         regions = parse_regions(header, entries)
+        shapes = parse_shapes(header, regions)
         metadata = parse_metadata(header)
         memory = host_memory()
         if nbytes > memory:
@@ -207,7 +209,8 @@ class VersionFetcher:
                 raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
                                    f"{where} differs from the trainer's checksum; the version "
                                    "is refused and this host keeps the one it held")
-        packed = PackedVersion(version, entries, out, regions=regions, metadata=metadata)
+        packed = PackedVersion(version, entries, out, regions=regions, shapes=shapes,
+                               metadata=metadata)
         if self.base is not None:
             self._spare = self.base.buffer  # callers are done with a version once they fetch again
         self.base, self.base_session, self.last_kinds = packed, session, kinds

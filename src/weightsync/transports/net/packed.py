@@ -54,6 +54,8 @@ class PackedVersion:
     #: a sharded trainer rank's part: ``name -> [start, stop, ...]`` of the global tensor
     #: each entry is (empty: every entry is a whole tensor)
     regions: dict[str, list[int]] = field(default_factory=dict)
+    #: with ``regions``: each entry's global shape, so a host knows what the parts must cover
+    shapes: dict[str, list[int]] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     _ready: int = -1  # chunks [0, _ready) are packed; -1: all of them
     _failed: str | None = None
@@ -124,7 +126,7 @@ class PackedVersion:
         return {"version": self.version, "session": session, "nbytes": self.nbytes,
                 "chunk_bytes": CHUNK_BYTES,
                 "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
-                "regions": self.regions, "metadata": self.metadata}
+                "regions": self.regions, "shapes": self.shapes, "metadata": self.metadata}
 
 
 def chunk_count(nbytes: int) -> int:
@@ -220,3 +222,22 @@ def parse_regions(header: dict[str, Any], entries: list[Entry]) -> dict[str, lis
     if raw and len(regions) != len(entries):
         raise ProtocolError("a sharded version names a region for some entries only")
     return regions
+
+
+def parse_shapes(header: dict[str, Any], regions: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The global shape of every entry of a sharded part (its ``regions``), each region
+    inside its shape: ``ProtocolError`` naming the first that is missing or does not hold.
+    Empty when the version holds whole tensors."""
+    raw = header.get("shapes") or {}
+    if not isinstance(raw, dict):
+        raise ProtocolError("a version header whose shapes are not an object")
+    shapes: dict[str, list[int]] = {}
+    for name, bounds in regions.items():
+        shape = raw.get(name)
+        if not isinstance(shape, list) or len(shape) * 2 != len(bounds) \
+                or not all(type(s) is int and s >= 0 for s in shape) \
+                or any(bounds[2 * d + 1] > size for d, size in enumerate(shape)):
+            raise ProtocolError(f"entry {name!r}: its global shape {shape!r:.80} is missing or "
+                                f"does not hold its region {bounds}")
+        shapes[name] = list(shape)
+    return shapes

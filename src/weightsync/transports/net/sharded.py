@@ -91,13 +91,16 @@ def host_token(rank_key: str) -> str:
 
 
 def pack_pieces(pieces: Sequence[ShardPiece], version: int, dtype: torch.dtype | None,
-                publisher: VersionPublisher) -> PackedVersion:
+                publisher: VersionPublisher, layout: Layout) -> PackedVersion:
     """This rank's pieces as version ``version`` of ``publisher``, packed and checksummed
-    (each piece detached: its bytes, not its autograd history)."""
+    (each piece detached: its bytes, not its autograd history), with each tensor's global
+    shape from ``layout`` (what the hosts check the parts cover)."""
     local = {p.name: p.local.detach() for p in pieces}
     nbytes = plan(local, version, dtype).nbytes
     packed = plan(local, version, dtype, publisher.spare_buffer(nbytes))
     packed.regions = describe_regions(pieces)
+    shapes = {spec.name: list(spec.shape) for spec in layout}
+    packed.shapes = {p.name: shapes[p.name] for p in pieces}
     packed.fill(local)
     publisher.publish(packed)
     return packed
@@ -134,7 +137,8 @@ class RankPublisher:
         return Hello(self.rank, new_id(), self.layout.to_dict(), self.layout.fingerprint, regions)
 
     def publish(self, version: int) -> dict[str, Any]:
-        packed = pack_pieces(self.pieces, version, self.dtype, self.publisher)
+        assert self.layout is not None
+        packed = pack_pieces(self.pieces, version, self.dtype, self.publisher, self.layout)
         return {"address": self.address, "nbytes": packed.nbytes}
 
     def close(self) -> None:
@@ -306,8 +310,9 @@ class ShardedFetcher:
 
 def assemble(parts: Sequence[PackedVersion], where: str) -> dict[str, torch.Tensor]:
     """The global tensors the ranks' parts tile: each part's region copied into a tensor of
-    the parts' bounding shape, once the regions are checked to cover each tensor exactly
-    once (``check_parts``; rank 0 checked the ranks' hellos, this checks what arrived)."""
+    the global shape the ranks declare (the parts' bounding shape if they declare none),
+    once the regions are checked to cover each tensor exactly once (``check_parts``; rank 0
+    checked the ranks' hellos, this checks what arrived)."""
     found: dict[str, list[tuple[torch.Tensor, list[int]]]] = {}
     for rank, part in enumerate(parts):
         tensors = part.tensors()
@@ -327,6 +332,12 @@ def assemble(parts: Sequence[PackedVersion], where: str) -> dict[str, torch.Tens
             raise IntegrityError(f"host {where}: the ranks sent {name!r} with "
                                  f"{sorted(d // 2 for d in dims)} dimensions")
         shapes[name] = [max(b[2 * d + 1] for _, b in pieces) for d in range(dims.pop() // 2)]
+        declared = {tuple(part.shapes[name]) for part in parts if name in part.shapes}
+        if len(declared) > 1:
+            raise IntegrityError(f"host {where}: the ranks give {name!r} different global "
+                                 f"shapes {sorted(declared)}")
+        if declared:  # the shape the parts must cover (a missing last block is a gap)
+            shapes[name] = list(declared.pop())
     check_parts(shapes, {rank: part.regions for rank, part in enumerate(parts)}, f"host {where}")
     out: dict[str, torch.Tensor] = {}
     for name, pieces in found.items():
