@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.transports.net import listener as listener_module
+from weightsync.transports.local import accept as accept_module
+from weightsync.transports.local.accept import MAX_PENDING_HANDSHAKES, AcceptLoop, ListenerClosed
 from weightsync.transports.net.board import TcpRankListener, connect_tcp
 from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.handshake import host_credential
-from weightsync.transports.net.listener import MAX_PENDING_HANDSHAKES, AcceptLoop, ListenerClosed
 from weightsync.transports.net.packed import pack
 from weightsync.transports.net.publisher import VersionPublisher
 from weightsync.transports.shm import ranks
@@ -193,7 +193,7 @@ def test_accept_errors_are_retried_with_a_backoff_and_logged_once(
     retried after a growing pause, never in a busy loop, and said once in the log (the
     rest counted); the connection after them is served; only a closed listener ends the
     loop."""
-    caplog.set_level(logging.WARNING, logger=listener_module.__name__)
+    caplog.set_level(logging.WARNING, logger=accept_module.__name__)
     mine, peer = socket.socketpair()
     calls: list[float] = []
     served = threading.Event()

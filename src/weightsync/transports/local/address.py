@@ -17,6 +17,7 @@ import time
 import uuid
 
 from weightsync.core.deadline import Deadline
+from weightsync.transports.local.accept import ListenerClosed
 from weightsync.transports.local.channel import Channel, ChannelTimeout, _wait
 
 
@@ -50,6 +51,7 @@ class ChannelListener:
             raise
         self._sock.listen(64)
         self._sock.setblocking(False)
+        self._shut = False
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -60,11 +62,16 @@ class ChannelListener:
         return self._sock
 
     def accept(self, timeout: float | None = 0.0) -> Channel | None:
+        """A new channel within ``timeout`` seconds (None: however long it takes), or None.
+        Raises :class:`~weightsync.transports.local.accept.ListenerClosed` once the
+        listener is shut down or closed, and ``accept()``'s own ``OSError`` (``EMFILE``,
+        ...) otherwise: an accept loop retries those."""
         deadline = Deadline(timeout)
         while True:
+            if self._shut or self._sock.fileno() < 0:
+                raise ListenerClosed(f"the listener at {self.address!r} is closed")
             try:
                 conn, _ = self._sock.accept()
-                return Channel(conn)
             except BlockingIOError:
                 if deadline.expired():
                     return None
@@ -72,8 +79,22 @@ class ChannelListener:
                     _wait(self._sock, select.POLLIN, deadline, "accept")
                 except ChannelTimeout:
                     return None
+                continue
+            try:
+                return Channel(conn)
+            except OSError:
+                conn.close()
+                raise
+
+    def shutdown(self) -> None:
+        """Take no more connections and wake an ``accept()`` waiting in another thread (it
+        raises ``ListenerClosed``); the address stays bound until :meth:`close`."""
+        self._shut = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        self._shut = True
         self._sock.close()
         if not self.address.startswith("\0"):
             with contextlib.suppress(OSError):

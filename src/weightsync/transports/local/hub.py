@@ -1,9 +1,12 @@
-"""The trainer's same-host hub: one thread that admits workers and reads their messages.
+"""The trainer's same-host hub: admits workers, and reads their messages on one thread.
 
-The hub listens at the scheme's address, authenticates each connection without ever
-blocking on it (peer credentials first, then a challenge-response read one frame at a
-time from a poll loop), and hands authenticated workers to its owner, the sender. It then
-reads the workers' small control messages (acks, mismatches, goodbyes) and reports
+The hub listens at the scheme's address through an accept loop that a connection flood
+cannot kill (:mod:`weightsync.transports.local.accept`: accept errors such as ``EMFILE``
+are logged and retried, at most :data:`MAX_HANDSHAKES` connections are in their handshake
+at once, each within one deadline). Each connection's handshake runs on a thread of that
+loop: peer credentials first, then a challenge and the worker's hello (one small frame).
+An authenticated worker is handed to the hub's owner, the sender. The hub's own thread
+then reads the workers' small control messages (acks, mismatches, goodbyes) and reports
 hang-ups; it is their only reader, except for a thread that found a worker lost and reads
 what is left under the same lock.
 
@@ -19,19 +22,18 @@ import logging
 import os
 import select
 import threading
-import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from weightsync.transports.local.accept import AcceptLoop, Admission
 from weightsync.transports.local.address import ChannelListener
 from weightsync.transports.local.auth import (
     HandshakeError,
     PeerCredentials,
-    PreauthBuffer,
     new_nonce,
     peer_credentials,
     proofs_match,
+    read_frame,
     sender_proof,
     worker_proof,
 )
@@ -45,12 +47,15 @@ from weightsync.transports.local.channel import (
 logger = logging.getLogger(__name__)
 
 HUB_TICK = 0.2
-HANDSHAKE_TIMEOUT = 5.0  # an unauthenticated connection gets this long to say hello
-MAX_HANDSHAKES = 32  # unauthenticated connections kept at once; the oldest go first
+#: an unauthenticated connection gets this long for its whole handshake (a starved worker
+#: that misses it joins again within its own deadline)
+HANDSHAKE_TIMEOUT = 5.0
+#: connections in their handshake at once; more are closed at once (a flood, logged)
+MAX_HANDSHAKES = 32
 
 
 class HubOwner(Protocol):
-    """What the hub calls on the sender (from the hub thread)."""
+    """What the hub calls on the sender (from the hub's threads)."""
 
     def hub_channels(self) -> dict[int, Channel]:
         """The authenticated workers' channels, to watch for messages and hang-ups."""
@@ -59,7 +64,8 @@ class HubOwner(Protocol):
     def admit(self, channel: Channel, hello: dict[str, Any], peer: PeerCredentials,
               welcome_proof: str) -> None:
         """An authenticated worker said hello: take it in (sending the welcome, carrying
-        ``welcome_proof``) or refuse it; the channel is the owner's from here on."""
+        ``welcome_proof``) or refuse it; the channel is the owner's from here on. Called
+        from a handshake thread, one worker at a time."""
         ...
 
     def on_message(self, worker_idx: int, channel: Channel, message: Message) -> None:
@@ -71,13 +77,9 @@ class HubOwner(Protocol):
         ...
 
 
-@dataclass
-class _Handshake:
-    channel: Channel
-    peer: PeerCredentials
-    nonce: str
-    started: float = field(default_factory=time.monotonic)
-    buffer: PreauthBuffer = field(default_factory=PreauthBuffer)
+def display_address(address: str) -> str:
+    """An address as ``ss`` and ``/proc/net/unix`` show it (``@name`` when abstract)."""
+    return "@" + address[1:] if address.startswith("\0") else address
 
 
 class Hub:
@@ -89,17 +91,25 @@ class Hub:
         self._owner_ref = weakref.ref(owner)
         self._listener = ChannelListener(address)
         self._wake_r, self._wake_w = os.pipe()
-        self._handshakes: dict[int, _Handshake] = {}
         #: held while a worker's message is read and handed to the owner; another thread
         #: that finds a worker lost takes it to read what the worker sent before (a
         #: mismatch, a goodbye) instead of dropping it with the connection
         self.read_lock = threading.RLock()
+        #: held while an authenticated worker is handed to the owner: one at a time, and
+        #: none after stop() returned
+        self._admitting = threading.RLock()
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="weightsync-hub", daemon=True)
+        self._acceptor: AcceptLoop[Channel] = AcceptLoop(
+            self._listener.accept, self._handshake, socket_of=lambda channel: channel.socket,
+            what=f"the trainer's hub for workers at {display_address(address)}",
+            handshake_timeout=HANDSHAKE_TIMEOUT, max_pending=MAX_HANDSHAKES,
+            name="weightsync-hub-accept", connection_name="weightsync-hub-handshake")
 
     def start(self) -> None:
         self._thread.start()
+        self._acceptor.start()
 
     @property
     def running(self) -> bool:
@@ -110,19 +120,74 @@ class Hub:
             os.write(self._wake_w, b"x")
 
     def stop(self) -> None:
-        """Stop the thread, close the listener and every unauthenticated connection."""
+        """Stop the threads, close the listener and every unauthenticated connection."""
         self._stop = True
         self.wake()
+        self._acceptor.stop(5.0, wake=self._listener.shutdown)
+        if self._admitting.acquire(timeout=5.0):  # a worker being admitted is the owner's
+            self._admitting.release()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
-        for handshake in self._handshakes.values():
-            handshake.channel.close()
-        self._handshakes.clear()
         self._listener.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+
+    # ------------------------------------------------------------------ admitting workers
+    def _handshake(self, channel: Channel, admission: Admission) -> None:
+        """One connection, on a thread of the accept loop: the peer's credentials, the
+        challenge and the worker's hello, within the admission's one deadline; an
+        authenticated worker is handed to the owner."""
+        try:
+            peer = peer_credentials(channel.socket)
+        except OSError:
+            channel.close()
+            return
+        if peer.uid != self._uid:
+            admission.refused("the trainer's hub refused a connection from pid %d: it runs as "
+                              "uid %d, the scheme's user is uid %d", peer.pid, peer.uid, self._uid)
+            channel.close()  # before a byte is read
+            return
+        nonce, deadline = new_nonce(), admission.deadline
+        try:
+            channel.send({"t": "challenge", "nonce": nonce}, timeout=deadline.remaining())
+            hello = read_frame(channel.socket, deadline.remaining)
+        except (HandshakeError, ChannelClosed, TimeoutError, OSError) as exc:
+            if isinstance(exc, TimeoutError) or admission.cut:  # cut: shut at the deadline
+                self._refuse(channel, peer, admission,
+                             f"no hello within {HANDSHAKE_TIMEOUT:g} s", kind="expired")
+            else:
+                self._refuse(channel, peer, admission, f"bad handshake: {exc}")
+            return
+        idx, worker_nonce = hello.get("worker_idx"), hello.get("nonce")
+        if (
+            hello.get("t") != "hello" or not isinstance(idx, int) or isinstance(idx, bool)
+            or not isinstance(worker_nonce, str) or len(worker_nonce) > 64
+            or not proofs_match(worker_proof(self._token, nonce, worker_nonce, idx),
+                                hello.get("proof"))
+        ):
+            self._refuse(channel, peer, admission, "bad handshake: not a worker of this scheme")
+            return
+        admission.done()  # authenticated: no longer among the pending handshakes
+        proof = sender_proof(self._token, nonce, worker_nonce, idx)
+        with self._admitting:
+            owner = None if self._stop else self._owner_ref()
+            if owner is None:  # closed, or dropped, meanwhile
+                channel.close()
+                return
+            owner.admit(channel, hello, peer, proof)
+            del owner  # no strong reference outlives the call
+        self.wake()  # the hub thread watches the new worker's channel from now on
+
+    def _refuse(self, channel: Channel, peer: PeerCredentials, admission: Admission, why: str,
+                kind: str = "auth") -> None:
+        """Close a connection that did not authenticate; ``kind="expired"``: it was too slow
+        (a starved worker retries within its own deadline), "auth": it is refused."""
+        admission.refused("the trainer's hub refused a connection from pid %d: %s", peer.pid, why)
+        with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
+            channel.send_nowait({"t": "refused", "kind": kind, "error": why})
+        channel.close()
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
@@ -140,15 +205,12 @@ class Hub:
 
     def _step(self, channels: dict[int, Channel]) -> None:
         poller = select.poll()
-        poller.register(self._listener.fileno(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         by_fd: dict[int, tuple[int, Channel]] = {}
         for idx, channel in channels.items():
             with contextlib.suppress(OSError, ValueError):
                 poller.register(channel.fileno(), select.POLLIN)
                 by_fd[channel.fileno()] = (idx, channel)
-        for fd in self._handshakes:
-            poller.register(fd, select.POLLIN)
         try:
             events = poller.poll(int(HUB_TICK * 1000))
         except InterruptedError:
@@ -159,81 +221,8 @@ class Hub:
             if fd == self._wake_r:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
-            elif fd == self._listener.fileno():
-                self._accept()
-            elif fd in self._handshakes:
-                self._continue_handshake(fd)
             elif fd in by_fd:
                 self._read_from(*by_fd[fd])
-        self._expire_handshakes()
-
-    def _accept(self) -> None:
-        channel = self._listener.accept(timeout=0.0)
-        if channel is None:
-            return
-        try:
-            peer = peer_credentials(channel.socket)
-        except OSError:
-            channel.close()
-            return
-        if peer.uid != self._uid:
-            logger.warning("refused a connection from pid %d: it runs as uid %d, the scheme's "
-                           "user is uid %d", peer.pid, peer.uid, self._uid)
-            channel.close()
-            return
-        handshake = _Handshake(channel, peer, new_nonce())
-        try:
-            channel.send({"t": "challenge", "nonce": handshake.nonce}, timeout=0.5)
-        except (ChannelClosed, ChannelTimeout, OSError):
-            channel.close()
-            return
-        if len(self._handshakes) >= MAX_HANDSHAKES:
-            oldest = min(self._handshakes, key=lambda fd: self._handshakes[fd].started)
-            self._refuse(self._handshakes.pop(oldest), "too many connections are handshaking")
-        self._handshakes[channel.fileno()] = handshake
-
-    def _continue_handshake(self, fd: int) -> None:
-        handshake = self._handshakes[fd]
-        try:
-            hello = handshake.buffer.feed(handshake.channel.socket)
-        except BlockingIOError:
-            return
-        except (HandshakeError, OSError) as exc:
-            del self._handshakes[fd]
-            self._refuse(handshake, f"bad handshake: {exc}")
-            return
-        if hello is None:
-            return
-        del self._handshakes[fd]
-        idx = hello.get("worker_idx")
-        worker_nonce = hello.get("nonce")
-        if (
-            hello.get("t") != "hello" or not isinstance(idx, int) or isinstance(idx, bool)
-            or not isinstance(worker_nonce, str) or len(worker_nonce) > 64
-            or not proofs_match(worker_proof(self._token, handshake.nonce, worker_nonce, idx),
-                                hello.get("proof"))
-        ):
-            self._refuse(handshake, "bad handshake: not a worker of this scheme")
-            return
-        owner = self._owner_ref()
-        if owner is None:
-            handshake.channel.close()
-            return
-        proof = sender_proof(self._token, handshake.nonce, worker_nonce, idx)
-        owner.admit(handshake.channel, hello, handshake.peer, proof)
-
-    def _refuse(self, handshake: _Handshake, why: str, kind: str = "auth") -> None:
-        """Close a connection that did not authenticate; ``kind="expired"``: it was too slow
-        (a starved worker retries within its own deadline), "auth": it is refused."""
-        logger.warning("refused a connection from pid %d: %s", handshake.peer.pid, why)
-        with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
-            handshake.channel.send_nowait({"t": "refused", "kind": kind, "error": why})
-        handshake.channel.close()
-
-    def _expire_handshakes(self) -> None:
-        now = time.monotonic()
-        for fd in [fd for fd, h in self._handshakes.items() if now - h.started > HANDSHAKE_TIMEOUT]:
-            self._refuse(self._handshakes.pop(fd), "no hello in time", kind="expired")
 
     def _read_from(self, idx: int, channel: Channel) -> None:
         owner = self._owner_ref()

@@ -12,8 +12,8 @@ import socket
 import time
 
 from weightsync.core.deadline import Deadline
+from weightsync.transports.local.accept import accept_ready
 from weightsync.transports.local.channel import Channel, ChannelTimeout
-from weightsync.transports.net.listener import accept_ready
 from weightsync.transports.net.wire import split_address
 
 _RETRY = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)

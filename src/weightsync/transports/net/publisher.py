@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaEncoder
-from weightsync.transports.net.handshake import HandshakeError, accept_peer
-from weightsync.transports.net.listener import (
+from weightsync.transports.local.accept import (
     HANDSHAKE_TIMEOUT,
     AcceptLoop,
     Admission,
     accept_ready,
 )
+from weightsync.transports.net.handshake import HandshakeError, accept_peer
 from weightsync.transports.net.packed import PackedVersion, chunk_count
 from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import (
@@ -158,7 +158,7 @@ class VersionPublisher:
 
     # ------------------------------------------------------------------ serving hosts
     def _accept(self, taken: tuple[socket.socket, str], admission: Admission) -> None:
-        """A connection the accept loop (``net.listener``) took, on a thread of its own."""
+        """A connection the accept loop (``local.accept``) took, on a thread of its own."""
         conn, peer = taken
         with self._cond:
             if self._closed:

@@ -30,10 +30,11 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
+from weightsync.transports.local.accept import AcceptLoop, Admission
 from weightsync.transports.local.address import ChannelListener, connect_channel, new_address
 from weightsync.transports.local.auth import peer_credentials, proofs_match
 from weightsync.transports.local.channel import Channel, Message
-from weightsync.transports.local.hub import close_passed_fds
+from weightsync.transports.local.hub import close_passed_fds, display_address
 from weightsync.transports.memory.dumpable import protect_sender_process
 from weightsync.transports.ray.group import current_node_id
 from weightsync.transports.shm.transport import DEFAULT_MODEL_ID, SharedMemTransport
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 _TOKEN_BYTES = 16
 _MAX_FDS = 16  # a segment message carries a few fds (control block and ack: 2)
 _IO_TIMEOUT_S = 5.0
+#: requests the fd server answers at once (each a few small frames within one deadline of
+#: ``_IO_TIMEOUT_S``); more are closed at once, so silent connections cannot stall it
+_MAX_PENDING_REQUESTS = 16
 
 
 @dataclass
@@ -97,8 +101,9 @@ def probe_node_local(info: NodeLocalInfo) -> bool:
 class _FdServer:
     """Hands the sender's segment fds to actors that hold a ticket (one-time, random, one
     actor's); a probe with the token gets a yes. A ``ChannelListener`` at a fresh abstract
-    address, served one short request at a time on a daemon thread; only processes of
-    this user get an answer."""
+    address whose accept loop a connection flood cannot kill (:mod:`~weightsync.transports.
+    local.accept`): each request is answered on a thread of its own within one deadline,
+    at most ``_MAX_PENDING_REQUESTS`` at once; only processes of this user get an answer."""
 
     def __init__(self, token: str) -> None:
         self.token = token
@@ -106,10 +111,12 @@ class _FdServer:
         self.address = self._listener.address
         self._lock = threading.Lock()
         self._tickets: dict[str, tuple[int, list[int]]] = {}  # ticket -> (worker, dup fds)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="weightsync-fd-server",
-                                        daemon=True)
-        self._thread.start()
+        self._acceptor: AcceptLoop[Channel] = AcceptLoop(
+            self._listener.accept, self._serve, socket_of=lambda channel: channel.socket,
+            what=f"the trainer's node-local fd server at {display_address(self.address)}",
+            handshake_timeout=_IO_TIMEOUT_S, max_pending=_MAX_PENDING_REQUESTS,
+            name="weightsync-fd-server", connection_name="weightsync-fd-request")
+        self._acceptor.start()
 
     def issue(self, worker_idx: int, fds: Sequence[int]) -> str:
         """A ticket for copies of ``fds`` (taken now: the numbers may be reused later)."""
@@ -132,46 +139,39 @@ class _FdServer:
             for ticket in gone:
                 _close_all(self._tickets.pop(ticket)[1])
 
-    def _serve(self) -> None:
-        while not self._closed.is_set():
-            try:
-                channel = self._listener.accept(timeout=0.2)
-            except (OSError, ValueError):
-                return  # closed
-            if channel is None:
-                continue
-            try:
-                self._answer(channel)
-            except (OSError, ValueError) as exc:
-                logger.debug("fd server: a request failed (%s)", exc)
-            finally:
-                channel.close()
+    def _serve(self, channel: Channel, admission: Admission) -> None:
+        """One request, on a thread of the accept loop, within the admission's deadline."""
+        try:
+            self._answer(channel, admission.deadline)
+        except (OSError, ValueError) as exc:  # the client is told by its own call
+            logger.debug("fd server: a request failed (%s)", exc)
+        finally:
+            channel.close()
 
-    def _answer(self, channel: Channel) -> None:
+    def _answer(self, channel: Channel, deadline: Deadline) -> None:
         if peer_credentials(channel.socket).uid != os.getuid():
             return  # another user: closed before a byte is read
-        request = channel.recv(_IO_TIMEOUT_S, max_payload=0)
+        request = channel.recv(deadline.remaining(), max_payload=0)
         close_passed_fds(request)  # a client passes none: never keep one
         probe, ticket = request.header.get("probe"), request.header.get("ticket")
         if probe is not None:
-            channel.send({"ok": proofs_match(self.token, probe)}, timeout=_IO_TIMEOUT_S)
+            channel.send({"ok": proofs_match(self.token, probe)}, timeout=deadline.remaining())
             return
         if not isinstance(ticket, str):
             return
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None:
-            channel.send({"ok": False}, timeout=_IO_TIMEOUT_S)
+            channel.send({"ok": False}, timeout=deadline.remaining())
             return
         try:
-            channel.send({"ok": True}, fds=entry[1], timeout=_IO_TIMEOUT_S)
+            channel.send({"ok": True}, fds=entry[1], timeout=deadline.remaining())
         finally:
             _close_all(entry[1])
 
     def close(self) -> None:
-        self._closed.set()
+        self._acceptor.stop(2.0, wake=self._listener.shutdown)
         self._listener.close()
-        self._thread.join(timeout=2.0)
         with self._lock:
             for _, copies in self._tickets.values():
                 _close_all(copies)

@@ -32,6 +32,7 @@ from weightsync.core.errors import (
 )
 from weightsync.core.liveness import process_dying
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.local.accept import AcceptLoop, Admission
 from weightsync.transports.local.address import ChannelListener, connect_channel
 from weightsync.transports.local.auth import (
     HandshakeError,
@@ -43,7 +44,6 @@ from weightsync.transports.local.auth import (
     read_frame,
 )
 from weightsync.transports.local.channel import Channel, ChannelClosed, ChannelTimeout, Message
-from weightsync.transports.net.listener import AcceptLoop, Admission
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
 logger = logging.getLogger(__name__)
