@@ -1,6 +1,6 @@
 """An accept loop that a connection flood cannot kill, shared by the trainer's listener for
 hosts (:mod:`weightsync.transports.net.publisher`) and rank 0's rank board
-(:mod:`weightsync.transports.shm.ranks`, over TCP or its Unix socket).
+(:mod:`weightsync.transports.ranks.socket_board`, over TCP or its Unix socket).
 
 * A failed ``accept()`` (``EMFILE``/``ENFILE`` when the open-file limit is reached,
   ``ENOBUFS``, ``ENOMEM``, ``ECONNABORTED``, anything else) is logged, rate-limited, and
