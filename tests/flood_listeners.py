@@ -45,7 +45,7 @@ def listener_main(kind: str, key: str, log_path: str, control: Any) -> None:
         address, close = publisher.address, publisher.close
     else:
         from weightsync.transports.net.board import TcpRankListener
-        from weightsync.transports.shm.ranks import RankHub
+        from weightsync.transports.ranks.socket_board import RankHub
 
         address = f"127.0.0.1:{_free_port()}"
         hub = RankHub(address, key, None, 2, listener=TcpRankListener(address))

@@ -31,8 +31,8 @@ from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import pack
 from weightsync.transports.net.publisher import VersionPublisher
-from weightsync.transports.shm import ranks
-from weightsync.transports.shm.ranks import RankHub, RankLink
+from weightsync.transports.ranks import socket_board
+from weightsync.transports.ranks.socket_board import RankHub, RankLink
 
 pytest.importorskip("zstandard")
 
@@ -50,8 +50,7 @@ def _real_peer(kind: str, address: str, key: str, timeout: float) -> None:
         for name, tensor in flood_listeners.weights().items():
             assert torch.equal(got[name], tensor), name
         return
-    link = RankLink(address, key, None, 1, lambda *_: None, lambda *_: None,
-                    connect=lambda left: connect_tcp(address, left))
+    link = RankLink(address, key, None, 1, connect=lambda left: connect_tcp(address, left))
     try:
         link.open(Deadline(timeout))
         assert link.channel is not None
@@ -124,7 +123,7 @@ def _listener(kind: str, key: str, handshake_timeout: float,
         finally:
             publisher.close()
         return
-    monkeypatch.setattr(ranks, "HANDSHAKE_TIMEOUT", handshake_timeout)
+    monkeypatch.setattr(socket_board, "HANDSHAKE_TIMEOUT", handshake_timeout)
     address = f"127.0.0.1:{flood_listeners._free_port()}"
     hub = RankHub(address, key, None, 2, listener=TcpRankListener(address))
     hub.start()

@@ -158,17 +158,16 @@ def test_a_server_holding_the_host_token_cannot_join_the_ranks(board: str):
     """What a server host holds (the host token, in its ``init_info``) does not pass rank 0's
     rank handshake, on the host's board or over TCP: the rank key stays with the ranks."""
     from weightsync.transports.net.board import connect_tcp
-    from weightsync.transports.shm.ranks import RankLink
+    from weightsync.transports.ranks.socket_board import RankLink
 
     key = secrets.token_hex(32)
     at = f"127.0.0.1:{free_port()}" if board == "tcp" else ""
     lead = NetRankLead("127.0.0.1:0", key, 2, dtype=None, timeout=5, delta=False, board=at)
     if at:
-        link = RankLink(at, host_token(key), None, 1, lambda *_: None, lambda *_: None,
+        link = RankLink(at, host_token(key), None, 1,
                         connect=lambda timeout: connect_tcp(at, timeout))
     else:
-        link = RankLink(board_address(key), host_token(key), os.getuid(), 1,
-                        lambda *_: None, lambda *_: None)
+        link = RankLink(board_address(key), host_token(key), os.getuid(), 1)
     try:
         with pytest.raises(ws.TrainerRankLostError, match="could not join rank 0"):
             link.open(Deadline(5.0))

@@ -2,7 +2,7 @@
 the trainer's hub for same-host workers (:mod:`weightsync.transports.local.hub`), Ray's
 node-local fd server (:mod:`weightsync.transports.ray.node_local`), the trainer's listener
 for hosts (:mod:`weightsync.transports.net.publisher`) and a sharded trainer's rank
-board (rank 0's ``RankHub``, over its Unix socket or TCP). It lives in the
+board (:mod:`weightsync.transports.ranks.socket_board`, over its Unix socket or TCP). It lives in the
 local family, the base of the socket transports, so that no family imports another for it.
 
 * A failed ``accept()`` (``EMFILE``/``ENFILE`` when the open-file limit is reached,

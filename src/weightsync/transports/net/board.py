@@ -1,5 +1,5 @@
-"""The rank board of a sharded trainer whose ranks run on several hosts: SharedMem's rank
-hub and links (:mod:`weightsync.transports.shm.ranks`, the rank protocol's board as socket
+"""The rank board of a sharded trainer whose ranks run on several hosts: the rank hub and
+links (:mod:`weightsync.transports.ranks.socket_board`, the rank protocol's board as socket
 messages) over TCP instead of a Unix socket. The ranks prove the rank key both ways, as on
 one host; without a shared kernel there are no peer credentials, so a rank is admitted by
 that proof alone, and a lost rank is told by its connection (a stalled one by the

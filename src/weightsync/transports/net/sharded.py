@@ -3,8 +3,8 @@ the receiving hosts from a listener of its own, and each host fetches every rank
 and puts the global tensors together. No rank gathers anything, and nothing runs on the
 trainer's process group.
 
-The coordination is the rank protocol (:mod:`weightsync.transports.ranks`) over SharedMem's
-rank board (:mod:`weightsync.transports.shm.ranks`: socket messages, both ways
+The coordination is the rank protocol (:mod:`weightsync.transports.ranks`) over its socket
+board (:mod:`weightsync.transports.ranks.socket_board`: socket messages, both ways
 authenticated with the *rank key*): on the trainer's host by default, or over TCP at a
 ``board`` address rank 0 listens at (:mod:`.board`) when the ranks run on several hosts.
 What is the network's is the data plane. Version ``n``:
@@ -55,7 +55,7 @@ from weightsync.transports.net.publisher import VersionPublisher
 from weightsync.transports.ranks.lead import RankLead
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Hello, Plan, new_id
-from weightsync.transports.shm.ranks import RankHub, RankLink
+from weightsync.transports.ranks.socket_board import RankHub, RankLink
 
 logger = logging.getLogger(__name__)
 
@@ -246,11 +246,10 @@ class NetRankMember:
         self.rank = rank
         self.own = RankPublisher(rank, address, rank_key, dtype, timeout, delta)
         if board:  # rank 0's board over TCP (ranks on several hosts)
-            self.link = RankLink(board, rank_key, None, rank, lambda *_: None, lambda *_: None,
+            self.link = RankLink(board, rank_key, None, rank,
                                  connect=lambda timeout: connect_tcp(board, timeout))
         else:
-            self.link = RankLink(board_address(rank_key), rank_key, os.getuid(), rank,
-                                 lambda *_: None, lambda *_: None)
+            self.link = RankLink(board_address(rank_key), rank_key, os.getuid(), rank)
         self.member = RankMember(self.link, rank)
 
     def open(self, deadline: Deadline) -> None:

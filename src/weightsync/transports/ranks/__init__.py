@@ -2,4 +2,5 @@
 ``trainer_ranks``: the records (``records``), rank 0's state machine (``lead``), the
 other ranks' (``member``), over a small board interface (``board``) that each transport
 implements in its own medium (socket messages, files, a Ray actor) beside its data plane.
-Imports no transport."""
+The protocol imports no transport; the socket board (``socket_board``, shared by SharedMem
+and the network transport) is built on ``transports.local``'s channels."""

@@ -13,6 +13,9 @@ from typing import Protocol
 
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
+#: how often a rank looks at the board while it waits (a medium may wake it sooner)
+POLL_S = 0.02
+
 
 class LeadBoard(Protocol):
     """Rank 0's side of the board."""

@@ -19,13 +19,10 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import SchemaMismatchError, TrainerRankLostError
 from weightsync.core.layout import Layout
 from weightsync.core.shards import check_cover
-from weightsync.transports.ranks.board import LeadBoard
+from weightsync.transports.ranks.board import POLL_S, LeadBoard
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, failure, new_id
 
 logger = logging.getLogger(__name__)
-
-#: how often rank 0 looks at the board while it waits (a medium may wake it sooner)
-POLL_S = 0.02
 
 
 def while_ranks_write(plan: Plan) -> None:

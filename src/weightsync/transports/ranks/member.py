@@ -19,13 +19,10 @@ from typing import Any
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import TrainerRankLostError
-from weightsync.transports.ranks.board import MemberBoard
+from weightsync.transports.ranks.board import POLL_S, MemberBoard
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 
 logger = logging.getLogger(__name__)
-
-#: how often a rank looks at the board while it waits (a medium may wake it sooner)
-POLL_S = 0.02
 
 
 class RankMember:

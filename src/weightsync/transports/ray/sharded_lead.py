@@ -39,6 +39,7 @@ from weightsync.core.errors import (
 from weightsync.core.layout import Layout
 from weightsync.core.shards import describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.ranks.board import POLL_S
 from weightsync.transports.ranks.lead import RankLead
 from weightsync.transports.ranks.liveness import hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
@@ -57,9 +58,6 @@ from weightsync.transports.ray.shard_stream import send_pieces
 from weightsync.transports.ray.writer import RayWriter, _Flight
 
 logger = logging.getLogger(__name__)
-
-#: how often rank 0 looks at the board while it waits for the other ranks
-POLL_S = 0.02
 
 
 class RayLeadBoard:

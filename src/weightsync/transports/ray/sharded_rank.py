@@ -33,6 +33,7 @@ from weightsync.core.errors import (
 from weightsync.core.layout import Layout
 from weightsync.core.shards import describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.ranks.board import POLL_S
 from weightsync.transports.ranks.liveness import process_detail
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
@@ -49,9 +50,6 @@ from weightsync.transports.ray.group import GroupInfo, WeightGroup
 from weightsync.transports.ray.shard_stream import send_pieces
 
 logger = logging.getLogger(__name__)
-
-#: how often a rank looks at the board while it waits
-POLL_S = 0.02
 #: how long one call to the board may take before rank 0 is judged gone
 CALL_TIMEOUT_S = 10.0
 

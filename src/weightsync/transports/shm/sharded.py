@@ -2,8 +2,8 @@
 their global offsets, and a version is committed once all have written; no rank gathers
 the model and nothing runs on the trainer's process group.
 
-The coordination is the rank protocol (:mod:`weightsync.transports.ranks`) over the socket
-board of :mod:`.ranks`; what is SharedMem's is the data plane. Rank 0
+The coordination is the rank protocol (:mod:`weightsync.transports.ranks`) over its socket
+board, with SharedMem's slot messages (:mod:`.ranks`); what is SharedMem's is the data plane. Rank 0
 (:class:`RankZeroWriter`) is the usual SharedMem writer (workers connect to it, it owns the
 control block and the slot pool): for version n it meets the ranks, takes a free slot, posts
 the plan naming it, writes its own part, waits for every rank's done and only then
@@ -31,7 +31,7 @@ from weightsync.transports.ranks.lead import RankLead
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Hello, Plan, new_id
 from weightsync.transports.shm.endpoints import SharedMemWriter
-from weightsync.transports.shm.ranks import RankHub, RankLink
+from weightsync.transports.shm.ranks import SlotHub, SlotLink
 from weightsync.transports.shm.slots import DEFAULT_MODEL_ID, _Slot
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class RankZeroWriter:
     def __init__(self, address: str, token: str, rank_key: str, uid: int, num_workers: int,
                  max_slots: int | None, trainer_ranks: int) -> None:
         self.inner = SharedMemWriter(address, token, uid, num_workers, max_slots)
-        self.hub = RankHub(address, rank_key, uid, trainer_ranks)
+        self.hub = SlotHub(address, rank_key, uid, trainer_ranks)
         self.lead = RankLead(self.hub, trainer_ranks)
         self.committed = NO_VERSION
         #: slot index -> {rank: the connection that mapped it writable}
@@ -135,7 +135,7 @@ class RankWriter:
 
     def __init__(self, address: str, rank_key: str, uid: int, rank: int) -> None:
         self.rank = rank
-        self.link = RankLink(address, rank_key, uid, rank, self._map_slot, self._retire)
+        self.link = SlotLink(address, rank_key, uid, rank, self._map_slot, self._retire)
         self.member = RankMember(self.link, rank)
         self.committed = NO_VERSION
         self._layout: Layout | None = None
