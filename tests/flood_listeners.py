@@ -58,6 +58,13 @@ def listener_main(kind: str, key: str, log_path: str, control: Any) -> None:
         close()
 
 
+def _limit_open_files() -> None:
+    """This process's open-file limit: a few descriptors above those open now."""
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + HEADROOM, hard))
+
+
 def _lower_the_limit_when_told(control: Any) -> None:
     """Wait for the test's word (after its warm-up peer came through: what a handshake
     imports is loaded), lower the open-file limit to a few descriptors above those open,
@@ -65,9 +72,7 @@ def _lower_the_limit_when_told(control: Any) -> None:
     if not control.poll(60):
         return
     control.recv()
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + HEADROOM, hard))
+    _limit_open_files()
     control.send("low")
     control.poll(60)
 
@@ -119,9 +124,7 @@ def fd_server_main(log_path: str, control: Any) -> None:
         if not control.poll(60):
             return
         control.recv()
-        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + HEADROOM, hard))
+        _limit_open_files()
         with contextlib.suppress(OSError):  # EMFILE: none left
             while True:
                 held.append(os.open(os.devnull, os.O_RDONLY))
