@@ -17,8 +17,10 @@ from weightsync.transports.net import publisher as net_publisher
 from weightsync.transports.net.wire import CHUNK_HEADER
 
 
-def die_mid_chunk(conn, kind, payload, checksum, figures) -> None:  # type: ignore[no-untyped-def]
-    conn.sendall(CHUNK_HEADER.pack(kind, payload.numel(), checksum))
+def die_mid_chunk(conn, seal, packed, index, kind, payload, figures) -> None:  # type: ignore[no-untyped-def]
+    """The publisher's ``_send_chunk``, dying halfway through the chunk's bytes."""
+    head = CHUNK_HEADER.pack(kind, payload.numel(), packed.checksums[index])
+    conn.sendall(head + seal.sign(head))  # the tag does not matter: the host never gets that far
     conn.sendall(net_publisher.tensor_view(payload[: payload.numel() // 2]))
     os.kill(os.getpid(), signal.SIGKILL)
 
