@@ -59,10 +59,18 @@ def listener_main(kind: str, key: str, log_path: str, control: Any) -> None:
 
 
 def _limit_open_files() -> None:
-    """This process's open-file limit: a few descriptors above those open now."""
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    """This process's open-file limit: exactly ``HEADROOM`` more descriptors may be opened.
+    The kernel hands out the lowest free number, so the limit counts the free numbers from
+    0, gaps included: a pipe inherited at a high number (a child spawned by a test process
+    that holds hundreds of descriptors) would otherwise leave hundreds free below it. A
+    descriptor above the limit stays usable."""
+    taken = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    limit = free = 0
+    while free < HEADROOM:
+        free += limit not in taken
+        limit += 1
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + HEADROOM, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
 
 
 def _lower_the_limit_when_told(control: Any) -> None:
