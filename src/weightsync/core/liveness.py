@@ -128,13 +128,23 @@ def judged_by_pid(scope: str | None) -> bool:
     return scope is not None and scope == pid_scope()
 
 
-def parent_pid(pid: int) -> int | None:
-    """The parent of ``pid`` as /proc reports it, or None if it cannot be read."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` is field 3, the
+    state), or None if the process is gone or /proc cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
-        return int(stat[stat.rfind(b")") + 2 :].split()[1])
-    except (OSError, IndexError, ValueError):
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` as /proc reports it, or None if it cannot be read."""
+    fields = _stat_fields(pid)
+    try:
+        return None if fields is None else int(fields[1])
+    except (IndexError, ValueError):
         return None
 
 
@@ -150,16 +160,10 @@ def is_same_or_descendant(pid: int, ancestor: int, max_depth: int = 64) -> bool:
     return False
 
 
-
 def process_start(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot, as /proc says), None if it is
     gone or a zombie: a pid alone may be reused, a pid and its start time may not."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # fields[0] is field 3 (state)
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
     return fields[19].decode("ascii", "replace")
