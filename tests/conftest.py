@@ -25,10 +25,16 @@ def _zero_copy_scheme(*args: Any, **kwargs: Any) -> ws.SharedMemWeightSyncScheme
     return ws.SharedMemWeightSyncScheme(*args, zero_copy=True, **kwargs)
 
 
+def _net_scheme(*args: Any, **kwargs: Any) -> ws.NetWeightSyncScheme:
+    """The network scheme on this host's loopback (a free port chosen at creation)."""
+    return ws.NetWeightSyncScheme(*args, address="127.0.0.1:0", **kwargs)
+
+
 SCHEMES = {
     "shm": ws.SharedMemWeightSyncScheme,
     "shm-zero-copy": _zero_copy_scheme,
     "mp": ws.MultiProcessWeightSyncScheme,
+    "net": _net_scheme,
 }
 
 

@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "VLLMDoubleBufferWeightSender": "weightsync.schemes.double_buffer",
     "MultiProcessWeightSyncScheme": "weightsync.schemes.multiprocess",
     "SharedMemWeightSyncScheme": "weightsync.schemes.shared_mem",
+    "NetWeightSyncScheme": "weightsync.schemes.net",
     "TransportBackend": "weightsync.transports.base",
     "MPTransport": "weightsync.transports.mp.transport",
     "SharedMemTransport": "weightsync.transports.shm.transport",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         VLLMDoubleBufferWeightSender,
     )
     from weightsync.schemes.multiprocess import MultiProcessWeightSyncScheme
+    from weightsync.schemes.net import NetWeightSyncScheme
     from weightsync.schemes.ray import RayWeightReceiver, RayWeightSender, RayWeightSyncScheme
     from weightsync.schemes.ray_actor import RayWeightReceiverMixin
     from weightsync.schemes.receiver import WeightReceiver
@@ -93,6 +95,7 @@ __all__ = [
     "LocalShard",
     "MPTransport",
     "MultiProcessWeightSyncScheme",
+    "NetWeightSyncScheme",
     "RayTransport",
     "RayWeightReceiver",
     "RayWeightReceiverMixin",

@@ -6,7 +6,6 @@ create them.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Protocol
 
 from typing_extensions import Self
@@ -34,6 +33,9 @@ class Closable:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # no module-level names here: at interpreter exit they may already be None
+        try:
             if not self._closed:
                 self.close()
+        except Exception:
+            pass

@@ -16,6 +16,7 @@ _SCHEMES: dict[str, str] = {
     "mp": "weightsync.schemes.multiprocess:MultiProcessWeightSyncScheme",
     "file": "weightsync.schemes.double_buffer:VLLMDoubleBufferSyncScheme",
     "ray": "weightsync.schemes.ray:RayWeightSyncScheme",
+    "net": "weightsync.schemes.net:NetWeightSyncScheme",
 }
 
 

@@ -137,6 +137,10 @@ class WeightSender(Closable):
         summary = self._stats.summary(self.worker_lag())
         summary["version"] = self.version
         summary["layout_nbytes"] = self._layout.nbytes if self._layout else 0
+        # a transport that counts what crossed its medium per version says so here
+        figures = getattr(self.writer, "version_figures", None)
+        if summary["last"] is not None and callable(figures):
+            summary["last"] |= figures(summary["last"]["version"])
         return summary
 
     def _deadline(self, timeout: float | None) -> Deadline:

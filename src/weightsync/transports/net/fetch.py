@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 
@@ -69,10 +70,12 @@ class _BadDelta(IntegrityError):
 
 class VersionFetcher:
     """Fetches versions from one trainer session for this host (``name``: how the trainer
-    logs it)."""
+    logs it). ``allocate(nbytes)``: where a version is rebuilt (default: fresh memory, or
+    the buffer of the base before last), e.g. a file in shared memory."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.name = name
+        self._allocate = allocate
         self.base: PackedVersion | None = None
         self.base_session: str | None = None
         self.last_kinds: dict[str, int] = {}
@@ -223,11 +226,13 @@ class VersionFetcher:
         """Where version ``version`` is rebuilt: the buffer of the base before last when it
         fits (no page faults of fresh memory), a new one otherwise."""
         spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == nbytes:
+        if spare is not None and spare.numel() == nbytes and self._allocate is None:
             return spare
         try:
+            if self._allocate is not None:
+                return self._allocate(nbytes)
             return torch.empty(nbytes, dtype=torch.uint8)
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:
             raise WeightSyncError(f"host {self.name}: cannot allocate {nbytes} bytes for "
                                   f"version {version}: {exc}") from None
 

@@ -12,6 +12,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -56,16 +57,25 @@ class StreamFigures:
     whole_reason: str | None = None
 
 
+#: what the listener hands a connection whose request is ``{"join": ...}`` (a worker's
+#: control connection, ``net.members``): the socket, its seal, the peer's name and the
+#: request; it runs on the connection's thread until the worker leaves
+JoinHandler = Callable[[socket.socket, Seal, str, dict[str, Any]], None]
+
+
 class VersionPublisher:
     """Listens at ``address`` (``HOST:PORT``; port 0 picks one) and serves the current
     version to every host that proves its credential of ``token``
-    (:func:`~.handshake.host_credential`: the token itself never leaves the trainer)."""
+    (:func:`~.handshake.host_credential`: the token itself never leaves the trainer).
+    ``on_join``: where workers' control connections go (None: they are refused)."""
 
-    def __init__(self, address: str, token: str, *, timeout: float, delta: bool) -> None:
+    def __init__(self, address: str, token: str, *, timeout: float, delta: bool,
+                 on_join: JoinHandler | None = None) -> None:
         host, port = split_address(address)
         self.token = token
         self.timeout = timeout
         self.delta = delta
+        self._on_join = on_join
         self.session = secrets.token_hex(8)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=64)
@@ -180,6 +190,13 @@ class VersionPublisher:
             admission.done()  # authenticated: no longer among the pending handshakes
             conn.settimeout(self.timeout)
             request = recv_frame(conn, seal=seal, what=f"the request of host {host}")
+            if "join" in request:
+                if self._on_join is None:
+                    send_frame(conn, {"error": "this trainer takes no workers' connections"}, seal)
+                    return
+                conn.settimeout(None)  # a control connection lives as long as its worker
+                self._on_join(conn, seal, host, request)
+                return
             packed, base, whole = self._choose(request)
             if packed is None:
                 with self._cond:
@@ -264,7 +281,7 @@ class VersionPublisher:
         header["base"] = None if base is None else base.version
         if figures.whole_reason is not None:
             header["whole"] = figures.whole_reason
-        send_frame(conn, header, seal)
+        figures.wire_bytes += send_frame(conn, header, seal)
         count = chunk_count(packed.nbytes)
         if base is None:
             for index in range(count):

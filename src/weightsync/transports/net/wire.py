@@ -39,12 +39,13 @@ class DeadlinePassed(TimeoutError):
     """A read or write ran past the deadline of the call it belongs to."""
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any], seal: Seal | None = None) -> None:
-    """One JSON frame; with ``seal``, followed by its MAC."""
+def send_frame(sock: socket.socket, message: dict[str, Any], seal: Seal | None = None) -> int:
+    """One JSON frame; with ``seal``, followed by its MAC. Returns the bytes sent."""
     data = json.dumps(message, separators=(",", ":")).encode()
     head = _FRAME.pack(len(data))
     tag = b"" if seal is None else seal.sign(head, data)
     sock.sendall(head + data + tag)
+    return len(head) + len(data) + len(tag)
 
 
 def recv_exact(sock: socket.socket, nbytes: int, deadline: Deadline | None = None) -> bytearray:

@@ -1,0 +1,255 @@
+"""One fetch per host: the workers of one trainer session on one host share the versions
+staged in a private directory in shared memory (``/dev/shm``, mode 0700).
+
+The first worker that wants a version takes the host's lock (``flock``), fetches it (a
+delta against the newest version staged here when the trainer still has that one)
+straight into a file of that directory, and commits it by writing its header beside it;
+the others find it there and copy from it. A worker that dies while fetching lets go of
+the lock with its process, and the next one fetches again. Each worker holds a shared lock
+on the directory while it lives: the last one to leave removes the directory, and a
+worker's start removes those of this user whose workers are all gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import (
+    SchemaMismatchError,
+    UnsafeDirectoryError,
+    WeightSyncTimeoutError,
+)
+from weightsync.transports.net.packed import PackedVersion, parse_header
+from weightsync.transports.net.wire import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "weightsync-net-"
+#: versions kept staged: the newest (being applied) and the one before (a delta's base,
+#: and what a worker that started reading it just before a commit still maps)
+KEEP = 2
+#: a directory with no live worker is removed by another's start only once this old (so
+#: that one being created, not locked yet, is never taken)
+_SWEEP_AGE_S = 60.0
+_LIMIT = 1 << 42
+
+#: what fetches a version: given the newest staged (base, its trainer session) or None,
+#: and where to rebuild it, returns the version and its trainer session
+Fetch = Callable[[tuple[PackedVersion, str] | None, Callable[[int], torch.Tensor]],
+                 tuple[PackedVersion, str]]
+
+
+def _parent() -> Path:
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+
+
+def _check_private(path: Path) -> None:
+    """``path`` must be a real directory of this user that no one else may enter."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise UnsafeDirectoryError(
+            f"{path} is not a private directory of uid {os.getuid()} (a symlink, another "
+            f"user's, or open to others); nothing was written there. Remove it, or run the "
+            "workers as its owner")
+
+
+def sweep(parent: Path, keep: Path | None = None) -> int:
+    """Remove this user's staging directories under ``parent`` that no live worker holds
+    (only those older than a minute); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        path = parent / name
+        if not name.startswith(f"{PREFIX}{os.getuid()}-") or path == keep:
+            continue
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
+                    or time.time() - info.st_mtime < _SWEEP_AGE_S:
+                continue
+            fd = os.open(path / "members", os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+        removed += 1
+        logger.info("removed staging directory %s: none of its workers is alive", path)
+    return removed
+
+
+class HostStage:
+    """The staged versions of the trainer session ``key`` names, on this host."""
+
+    def __init__(self, key: str, name: str) -> None:
+        self.name = name
+        parent = _parent()
+        self.directory = parent / f"{PREFIX}{os.getuid()}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+        sweep(parent, keep=self.directory)
+        self._members = self._join()
+        self._mapped: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _join(self) -> int:
+        """Create (or enter) the directory and hold its shared lock; again if it was
+        removed meanwhile by the last worker leaving."""
+        for _ in range(100):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.directory, 0o700)
+            _check_private(self.directory)
+            members = self.directory / "members"
+            fd = os.open(members, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.stat(members, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # removed between our open and our lock: start again
+        raise UnsafeDirectoryError(f"{self.directory} keeps being removed while joining it")
+
+    # ------------------------------------------------------------------ versions staged
+    def newest(self) -> int:
+        """The newest version staged here (-1: none)."""
+        versions = self._versions()
+        return versions[-1] if versions else -1
+
+    def _versions(self) -> list[int]:
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit():
+                    found.append(int(name[1:-5]))
+        return sorted(found)
+
+    def _open(self, version: int) -> tuple[PackedVersion, str]:
+        """Version ``version`` as staged (its bytes mapped, not read); FileNotFoundError if
+        it was removed meanwhile."""
+        with open(self.directory / f"v{version}.json", encoding="utf-8") as f:
+            header = json.load(f)
+        try:
+            number, session, entries, nbytes = parse_header(header, _LIMIT)
+        except ProtocolError as exc:
+            raise UnsafeDirectoryError(f"{self.directory}: the header of version {version} is "
+                                       f"damaged ({exc})") from None
+        data = self.directory / f"v{version}.bin"
+        buffer = torch.from_file(str(data), shared=False, size=nbytes, dtype=torch.uint8) \
+            if nbytes else torch.empty(0, dtype=torch.uint8)
+        return PackedVersion(number, entries, buffer), session
+
+    @contextlib.contextmanager
+    def _locked(self, deadline: Deadline, version: int) -> Iterator[None]:
+        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            delay = 0.005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline.expired():
+                        raise WeightSyncTimeoutError(
+                            f"{self.name}: another worker of this host held its staging lock "
+                            f"for longer than {deadline} while fetching version {version} or "
+                            "newer") from None
+                    time.sleep(deadline.slice(delay))
+                    delay = min(delay * 2, 0.05)
+            yield
+        finally:
+            os.close(fd)  # lets go of the lock
+
+    def stage(self, at_least: int, fetch: Fetch, deadline: Deadline) -> int:
+        """Make a version ``at_least`` or newer staged here (fetching it unless another
+        worker of this host did); returns the newest staged."""
+        with self._locked(deadline, at_least):
+            newest = self.newest()
+            if newest >= at_least:
+                return newest
+            base = None
+            if newest >= 0:
+                with contextlib.suppress(FileNotFoundError, UnsafeDirectoryError):
+                    base = self._open(newest)
+            incoming = self.directory / "incoming.bin"
+
+            def allocate(nbytes: int) -> torch.Tensor:
+                fd = os.open(incoming, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.ftruncate(fd, nbytes)
+                finally:
+                    os.close(fd)
+                return torch.from_file(str(incoming), shared=True, size=nbytes, dtype=torch.uint8)
+
+            packed, session = fetch(base, allocate)
+            os.replace(incoming, self.directory / f"v{packed.version}.bin")
+            header = self.directory / f"v{packed.version}.json.tmp"
+            header.write_text(json.dumps(packed.header(session)), encoding="utf-8")
+            os.replace(header, self.directory / f"v{packed.version}.json")  # the commit
+            for old in self._versions()[:-KEEP]:
+                for suffix in (".json", ".bin"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.directory / f"v{old}{suffix}")
+            return packed.version
+
+    def apply(self, dest: Mapping[str, torch.Tensor], held: int) -> int | None:
+        """Copy the newest staged version into ``dest`` (cast to each tensor's dtype) if
+        newer than ``held``; returns it, or None."""
+        for _ in range(10):
+            newest = self.newest()
+            if newest <= held:
+                return None
+            try:
+                tensors = self._tensors(newest)
+            except FileNotFoundError:
+                continue  # removed by a newer commit meanwhile: take that one
+            missing = next((name for name in tensors if name not in dest), None)
+            if missing is not None:
+                raise SchemaMismatchError(
+                    f"{self.name}: version {newest} holds key {missing!r}, which the model "
+                    "does not have", key=missing, expected=None, got=None)
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    dest[name].copy_(tensor)
+            return newest
+        return None
+
+    def _tensors(self, version: int) -> dict[str, torch.Tensor]:
+        """Version ``version``'s tensors, viewing its mapped bytes (kept mapped until a
+        newer one is applied)."""
+        if self._mapped is None or self._mapped[0] != version:
+            packed, _ = self._open(version)
+            self._mapped = (version, packed.tensors())
+        return self._mapped[1]
+
+    def close(self) -> None:
+        """Leave; the last worker of the session on this host removes the directory."""
+        self._mapped = None
+        if self._members < 0:
+            return
+        fd, self._members = self._members, -1
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # converts our shared lock
+        except OSError:
+            os.close(fd)
+            return
+        shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(fd)

@@ -1,0 +1,177 @@
+"""A worker's control connection to a network trainer (``net.members`` is the other end):
+join, hear of each version, say what this worker's host staged and what it applied, and
+notice a trainer that closed or died. Authenticated and sealed like a version's stream."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import (
+    IntegrityError,
+    SenderLostError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.net.handshake import HandshakeError, host_credential, prove_to_trainer
+from weightsync.transports.net.members import keep_alive
+from weightsync.transports.net.seal import Seal
+from weightsync.transports.net.wire import (
+    DeadlinePassed,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+    split_address,
+)
+
+logger = logging.getLogger(__name__)
+
+#: a trainer not listening yet: connecting is tried again until the deadline
+_NOT_YET = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
+
+
+def worker_credential(token: str, worker_idx: int) -> str:
+    """Worker ``worker_idx``'s credential: the scheme's workers hold the token itself."""
+    return host_credential(token, f"worker{worker_idx}")
+
+
+class NetLink:
+    """Worker ``worker_idx``'s connection to the trainer at ``address``."""
+
+    def __init__(self, address: str, token: str, worker_idx: int, host: str) -> None:
+        self.address = address
+        self.worker_idx = worker_idx
+        self.credential = worker_credential(token, worker_idx)
+        self.host = host
+        self.session = ""
+        self.cond = threading.Condition()
+        self.delivered = NO_VERSION  # the newest version the trainer announced
+        self.layout: dict[str, Any] | None = None  # the trainer's, from its first notice
+        self.sender_lost: str | None = None
+        #: called (from the reader thread) at each notice and when the trainer is gone
+        self.on_event: Callable[[], None] = lambda: None
+        self._sock: socket.socket | None = None
+        self._seal: Seal | None = None
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._closing = False
+
+    def open(self, deadline: Deadline) -> None:
+        """Connect (waiting for a trainer not listening yet), authenticate both ways, join,
+        and start reading the trainer's notices."""
+        sock = self._connect(deadline)
+        try:
+            seal = prove_to_trainer(sock, self.credential, self.host, deadline)
+            send_frame(sock, {"join": self.worker_idx}, seal)
+            welcome = recv_frame(sock, seal=seal, deadline=deadline,
+                                 what=f"worker {self.worker_idx}: the trainer's welcome")
+        except DeadlinePassed:
+            sock.close()
+            raise WeightSyncTimeoutError(f"worker {self.worker_idx}: the trainer at "
+                                         f"{self.address} did not answer within {deadline}") from None
+        except (HandshakeError, ProtocolError, IntegrityError, OSError) as exc:
+            sock.close()
+            raise SenderLostError(f"worker {self.worker_idx}: joining the trainer at "
+                                  f"{self.address} failed: {exc}") from None
+        if "error" in welcome:
+            sock.close()
+            raise WeightSyncError(f"worker {self.worker_idx}: the trainer at {self.address} "
+                                  f"refused it: {welcome['error']}")
+        sock.settimeout(None)
+        keep_alive(sock)
+        self.session = str(welcome.get("session", ""))
+        self._sock, self._seal = sock, seal
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"weightsync-net-link-{self.worker_idx}")
+        self._reader.start()
+
+    def _connect(self, deadline: Deadline) -> socket.socket:
+        host, port = split_address(self.address)
+        delay = 0.02
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=max(deadline.slice(5.0), 0.05))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+            except OSError as exc:
+                if exc.errno not in _NOT_YET and not isinstance(exc, TimeoutError):
+                    raise SenderLostError(f"worker {self.worker_idx}: cannot reach the trainer "
+                                          f"at {self.address}: {exc}") from None
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker {self.worker_idx}: no trainer listening at {self.address} "
+                        f"within {deadline} ({exc})") from None
+                time.sleep(deadline.slice(delay))
+                delay = min(delay * 2, 0.25)
+
+    def _read(self) -> None:
+        assert self._sock is not None and self._seal is not None
+        why = "the sender closed the connection; did the trainer die?"
+        try:
+            while True:
+                message = recv_frame(self._sock, seal=self._seal,
+                                     what=f"worker {self.worker_idx}: a trainer's notice")
+                if message.get("close"):
+                    why = "the trainer closed its sender"
+                    break
+                version = message.get("notice")
+                if type(version) is int:
+                    with self.cond:
+                        if isinstance(message.get("layout"), dict):
+                            self.layout = message["layout"]
+                        self.delivered = max(self.delivered, version)
+                        self.cond.notify_all()
+                    self.on_event()
+        except (ProtocolError, IntegrityError, OSError) as exc:
+            if self._closing:
+                return
+            if not isinstance(exc, ProtocolError) or "closed" not in str(exc):
+                why = f"the connection to the sender broke ({type(exc).__name__}: {exc})"
+        with self.cond:
+            self.sender_lost = f"{why} (trainer at {self.address})"
+            self.cond.notify_all()
+        self.on_event()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Tell the trainer ``message``; a trainer that is gone is noticed by the reader."""
+        if self._sock is None or self._seal is None:
+            return
+        with self._send_lock, contextlib.suppress(OSError):
+            send_frame(self._sock, message, self._seal)
+
+    def wait_layout(self, deadline: Deadline) -> dict[str, Any]:
+        """The trainer's layout, from its first notice (it publishes version 0 at connect)."""
+        with self.cond:
+            while self.layout is None:
+                self.check_sender(NO_VERSION)
+                if deadline.expired():
+                    raise WeightSyncTimeoutError(
+                        f"worker {self.worker_idx}: the trainer at {self.address} published "
+                        f"no version within {deadline}")
+                self.cond.wait(deadline.slice(0.2))
+            return self.layout
+
+    def check_sender(self, version: int) -> None:
+        if self.sender_lost is not None:
+            raise SenderLostError(f"worker {self.worker_idx}: {self.sender_lost}; it keeps "
+                                  f"version {version}")
+
+    def close(self) -> None:
+        """Say goodbye (a clean leave, not a loss) and end the connection."""
+        self._closing = True
+        if self._sock is None:
+            return
+        self.send({"bye": True})
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        self._sock.close()

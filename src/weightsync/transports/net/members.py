@@ -1,0 +1,279 @@
+"""Who is connected to a network trainer: each worker's control connection, on the same
+listener as the versions (one port), authenticated and sealed like every stream.
+
+A worker joins with ``{"join": index}``; the trainer answers with its session, then sends
+a notice per version (the first carries the layout the worker checks against its model).
+The worker tells what its host staged (``staged``), what it applied (``ack``), a version
+its host could not stage (``failed``), a layout it refuses (``mismatch``) and its goodbye
+(``bye``). A connection that ends without a goodbye is a lost worker, named with why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import Losses
+from weightsync.core.errors import (
+    IntegrityError,
+    SchemaMismatchError,
+    WeightSyncTimeoutError,
+    WorkerLostError,
+)
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.net.seal import Seal
+from weightsync.transports.net.wire import ProtocolError, recv_frame, send_frame
+
+logger = logging.getLogger(__name__)
+
+#: the longest one wait of the lifecycle sleeps between two looks
+_TICK = 0.2
+#: TCP keepalive on control connections: a host that vanishes (power, partition) is lost
+#: within about this many seconds even when no version is being sent
+_KEEPALIVE_S = 10
+
+
+@dataclass
+class _Connection:
+    """One worker's control connection; ``send_lock`` orders the frames sent on it."""
+
+    sock: socket.socket
+    seal: Seal
+    host: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    layout_sent: bool = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self.send_lock:
+            send_frame(self.sock, message, self.seal)
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Probe an idle connection, so that a vanished peer is noticed without traffic."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPALIVE_S // 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_S // 2)
+
+
+class NetMembers:
+    """The workers of one network sender: joins, notices, and the waits of the lifecycle."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        #: the trainer's session (the publisher's), told to each worker as it joins
+        self.session = ""
+        self.cond = threading.Condition()
+        #: held while a worker joins and while a version is published: a joining worker is
+        #: either among the targets or is told of the version as it joins
+        self.joining = threading.RLock()
+        self._connections: dict[int, _Connection] = {}
+        self._staged: dict[int, int] = {}
+        self._applied: dict[int, int] = {}
+        self._failed: dict[int, tuple[int, str]] = {}  # worker -> (version, why)
+        self._mismatch: dict[int, dict[str, str]] = {}
+        self._why: dict[int, str] = {}
+        self._goodbyes: set[int] = set()
+        self._current: tuple[int, dict[str, Any]] | None = None  # (version, layout)
+        self._closed = False
+
+    # ------------------------------------------------------------------ the listener's side
+    def serve(self, sock: socket.socket, seal: Seal, host: str, request: dict[str, Any]) -> None:
+        """A worker's control connection (the publisher's join handler): runs on the
+        connection's thread until the worker leaves or is lost."""
+        idx = request.get("join")
+        if type(idx) is not int or not 0 <= idx < self.num_workers:
+            send_frame(sock, {"error": f"worker_idx {idx!r} is out of range: this scheme has "
+                                       f"num_workers={self.num_workers}"}, seal)
+            return
+        keep_alive(sock)
+        connection = _Connection(sock, seal, host)
+        if not self._join(idx, connection):
+            return
+        why = "connection closed; did the process die?"
+        try:
+            while True:
+                message = recv_frame(sock, seal=seal, what=f"a message of worker {idx}")
+                if not self._record(idx, message):
+                    why = "closed its receiver"
+                    break
+        except (ProtocolError, IntegrityError, OSError) as exc:
+            if not isinstance(exc, ProtocolError) or "closed" not in str(exc):
+                why = f"connection broke ({type(exc).__name__}: {exc}); did the host go away?"
+        finally:
+            self._lost(idx, connection, why)
+
+    def _join(self, idx: int, connection: _Connection) -> bool:
+        with self.joining:
+            with self.cond:
+                if self._closed:
+                    return False
+                old = self._connections.pop(idx, None)
+                self._connections[idx] = connection
+                self._staged[idx] = self._applied[idx] = NO_VERSION
+                for table in (self._failed, self._mismatch, self._why):
+                    table.pop(idx, None)
+                self._goodbyes.discard(idx)
+                current = self._current
+                self.cond.notify_all()
+            if old is not None:
+                logger.warning("worker %d joined again from %s; dropping its older "
+                               "connection from %s", idx, connection.host, old.host)
+                with contextlib.suppress(OSError):
+                    old.sock.shutdown(socket.SHUT_RDWR)
+            try:
+                connection.send({"welcome": idx, "session": self.session})
+                if current is not None:
+                    self._notify(connection, *current)
+            except OSError as exc:
+                self._lost(idx, connection, f"failed while joining: {exc}")
+                return False
+        logger.info("worker %d joined from %s", idx, connection.host)
+        return True
+
+    def _record(self, idx: int, message: dict[str, Any]) -> bool:
+        """Take a worker's message; False once it said goodbye."""
+        with self.cond:
+            for name, table in (("staged", self._staged), ("ack", self._applied)):
+                version = message.get(name)
+                if type(version) is int:
+                    table[idx] = max(table.get(idx, NO_VERSION), version)
+            if type(message.get("failed")) is int:
+                self._failed[idx] = (message["failed"], str(message.get("error"))[:2000])
+            if isinstance(message.get("mismatch"), str):
+                self._mismatch[idx] = {name: str(message.get(name))[:500]
+                                       for name in ("mismatch", "key", "expected", "got")}
+            self.cond.notify_all()
+            if message.get("bye"):
+                self._goodbyes.add(idx)
+                return False
+        return True
+
+    def _lost(self, idx: int, connection: _Connection, why: str) -> None:
+        with self.cond:
+            if self._connections.get(idx) is not connection:
+                return
+            del self._connections[idx]
+            goodbye = idx in self._goodbyes
+            self._why[idx] = "closed its receiver" if goodbye else why
+            self.cond.notify_all()
+        with contextlib.suppress(OSError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+        (logger.debug if goodbye or self._closed else logger.warning)(
+            "worker %d (%s) %s: %s", idx, connection.host, "left" if goodbye else "lost",
+            self._why[idx])
+
+    # ------------------------------------------------------------------ the sender's side
+    def published(self, version: int, layout: dict[str, Any]) -> None:
+        """``version`` (of ``layout``, as the workers receive it) is the current one."""
+        with self.cond:
+            self._current = (version, layout)
+
+    def reachable(self, targets: list[int]) -> tuple[list[int], Losses]:
+        with self.cond:
+            found = [w for w in targets if w in self._connections]
+            gone = {w: self._why.get(w, "not connected") for w in targets
+                    if w not in self._connections}
+        return found, gone
+
+    def notify(self, targets: list[int], version: int) -> Losses:
+        """Tell ``targets`` of ``version``; returns those whose connection failed."""
+        assert self._current is not None and self._current[0] == version
+        lost: Losses = {}
+        for w in targets:
+            with self.cond:
+                connection = self._connections.get(w)
+            if connection is None:
+                lost[w] = self._why.get(w, "not connected")
+                continue
+            try:
+                self._notify(connection, *self._current)
+            except OSError as exc:
+                lost[w] = f"its connection failed ({exc})"
+                self._lost(w, connection, lost[w])
+        return lost
+
+    @staticmethod
+    def _notify(connection: _Connection, version: int, layout: dict[str, Any]) -> None:
+        message: dict[str, Any] = {"notice": version}
+        if not connection.layout_sent:
+            message["layout"] = layout
+        connection.send(message)
+        connection.layout_sent = True
+
+    def wait_staged(self, targets: list[int], version: int, deadline: Deadline,
+                    lost: Losses) -> None:
+        """Until every target not in ``lost`` staged ``version`` (or newer) on its host;
+        those lost, or whose host could not stage it, are added to ``lost``."""
+        with self.cond:
+            while True:
+                slow = []
+                for w in targets:
+                    if w in lost or max(self._staged.get(w, NO_VERSION),
+                                        self._applied.get(w, NO_VERSION)) >= version:
+                        continue
+                    failed = self._failed.get(w)
+                    if failed is not None and failed[0] >= version:
+                        lost[w] = f"its host could not stage version {failed[0]}: {failed[1]}"
+                    elif w not in self._connections:
+                        lost[w] = self._why.get(w, "connection lost")
+                    else:
+                        slow.append(w)
+                if not slow:
+                    return
+                if deadline.expired():
+                    hosts = {w: self._connections[w].host for w in slow}
+                    raise WeightSyncTimeoutError(
+                        f"worker(s) {slow} (on {hosts}) did not stage version {version} within "
+                        f"{deadline} (they are connected but their hosts have not got it)",
+                        worker_ids=slow)
+                self.cond.wait(deadline.slice(_TICK))
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        """Until every worker applied ``version`` or newer."""
+        with self.cond:
+            while True:
+                if self._mismatch:
+                    idx, said = next(iter(self._mismatch.items()))
+                    raise SchemaMismatchError(
+                        f"worker {idx} refused the weights: {said['mismatch']}",
+                        key=said["key"], expected=said["expected"], got=said["got"])
+                waiting = [w for w in range(self.num_workers)
+                           if self._applied.get(w, NO_VERSION) < version]
+                if not waiting:
+                    return
+                if deadline.expired():
+                    gone = {w: self._why[w] for w in waiting
+                            if w in self._why and w not in self._connections}
+                    if gone:
+                        raise WorkerLostError.naming(gone, version)
+                    raise WeightSyncTimeoutError(
+                        f"connect: worker(s) {waiting} did not connect and take version "
+                        f"{version} within {deadline} (connected: {sorted(self._connections)})",
+                        worker_ids=waiting)
+                self.cond.wait(deadline.slice(_TICK))
+
+    def held_versions(self) -> dict[int, int]:
+        with self.cond:
+            return {w: self._applied.get(w, NO_VERSION) for w in self._connections}
+
+    def hosts(self) -> dict[int, str]:
+        with self.cond:
+            return {w: c.host for w, c in self._connections.items()}
+
+    def close(self) -> None:
+        """Tell every worker that the sender left, and end their connections."""
+        with self.cond:
+            self._closed = True
+            connections = list(self._connections.values())
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.send({"close": True})
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,153 @@
+"""The network transport's worker end as the receive lifecycle drives it (``core/endpoints``).
+
+A background stager hears of each version over the control connection (:class:`~.link.
+NetLink`) and makes it staged on this host (:class:`~.host_stage.HostStage`: one fetch per
+host, into shared memory), then tells the trainer. A version is applied only at the
+worker's call (``connect``, ``poll``, ``receive``), copied from the staged bytes, so the
+fetch never runs on the worker's own thread and a version is never half applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import SchemaMismatchError, WeightSyncError
+from weightsync.core.layout import Layout
+from weightsync.core.versions import NO_VERSION
+from weightsync.transports.net.fetch import VersionFetcher
+from weightsync.transports.net.host_stage import HostStage
+from weightsync.transports.net.link import NetLink
+from weightsync.transports.net.packed import PackedVersion
+
+logger = logging.getLogger(__name__)
+
+_WAIT_SLICE = 0.05
+
+
+class NetReader:
+    """Worker ``worker_idx``'s end: versions staged on its host, applied at its call."""
+
+    views_model = False
+    expecting = "version from the trainer"
+
+    def __init__(self, address: str, token: str, worker_idx: int, *, timeout: float,
+                 cast: bool) -> None:
+        self.worker_idx = worker_idx
+        self._token = token
+        self.name = f"worker {worker_idx} on {socket.gethostname()}"
+        self.link = NetLink(address, token, worker_idx, self.name)
+        self.timeout = timeout
+        self.cast = cast  # the trainer casts floating tensors: dtypes may differ here
+        self.stage: HostStage | None = None
+        self._cond = threading.Condition()
+        self._staged = NO_VERSION
+        self._failed: tuple[int, str] | None = None
+        self._stop = False
+        self._stager: threading.Thread | None = None
+        self.link.on_event = self._wake
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the lifecycle's calls
+    def open(self, local: Layout | None, deadline: Deadline) -> None:
+        self.link.open(deadline)
+        sent = Layout.from_dict(self.link.wait_layout(deadline))
+        if local is not None:
+            try:
+                sent.check_compatible(local, self_name="the trainer",
+                                      other_name=f"worker {self.worker_idx}", ignore_dtype=self.cast)
+            except SchemaMismatchError as exc:
+                self.link.send({"mismatch": str(exc), "key": exc.key, "expected": exc.expected,
+                                "got": exc.got})
+                raise
+        # one directory per trainer session, shared by its workers on this host
+        key = f"{self.link.address}/{self._token}/{self.link.session}"
+        self.stage = HostStage(key, self.name)
+        self._stager = threading.Thread(target=self._run_stager, daemon=True,
+                                        name=f"weightsync-net-stager-{self.worker_idx}")
+        self._stager.start()
+
+    def newer_available(self, version: int) -> bool:
+        return self._staged > version
+
+    def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
+                     deadline: Deadline) -> int | None:
+        with self._cond:
+            while self._staged <= version < self.link.delivered and not deadline.expired() \
+                    and self.link.sender_lost is None and not self._failed_at(self.link.delivered):
+                self._cond.wait(deadline.slice(_WAIT_SLICE))
+        if self._staged <= version or self.stage is None:
+            return None
+        return self.stage.apply(dest, version)
+
+    def _failed_at(self, version: int) -> bool:
+        return self._failed is not None and self._failed[0] >= version
+
+    def wait(self, version: int, deadline: Deadline) -> None:
+        with self._cond:
+            if self._staged <= version and self.link.sender_lost is None:
+                self._cond.wait(deadline.slice(_WAIT_SLICE))
+        self.check_sender(version)
+
+    def check_sender(self, version: int) -> None:
+        if self._staged <= version:  # what was staged before the trainer left is applied first
+            self.link.check_sender(version)
+
+    def ack(self, version: int) -> None:
+        self.link.send({"ack": version})
+
+    def close(self, dest: dict[str, torch.Tensor] | None) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self.link.close()
+        if self._stager is not None and self._stager is not threading.current_thread():
+            self._stager.join(10.0)
+        if self.stage is not None:
+            self.stage.close()
+
+    # ------------------------------------------------------------------ staging
+    def _run_stager(self) -> None:
+        """Stage each version the trainer announces, one at a time, and say so."""
+        while True:
+            with self._cond:
+                while not self._stop and self.link.sender_lost is None and (
+                        self.link.delivered <= self._staged
+                        or self._failed_at(self.link.delivered)):
+                    self._cond.wait(0.5)
+                if self._stop or self.link.sender_lost is not None:
+                    return
+                wanted = self.link.delivered
+            assert self.stage is not None
+            try:
+                staged = self.stage.stage(wanted, self._fetch, Deadline(self.timeout))
+            except (WeightSyncError, OSError) as exc:
+                if self._stop:
+                    return
+                logger.warning("%s: could not stage version %d: %s", self.name, wanted, exc)
+                with self._cond:
+                    self._failed = (wanted, f"{type(exc).__name__}: {exc}")
+                    self._cond.notify_all()
+                self.link.send({"failed": wanted, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                continue
+            with self._cond:
+                self._staged = max(self._staged, staged)
+                self._failed = None
+                self._cond.notify_all()
+            self.link.send({"staged": staged})
+
+    def _fetch(self, base: tuple[PackedVersion, str] | None, allocate: object
+               ) -> tuple[PackedVersion, str]:
+        fetcher = VersionFetcher(self.name, allocate=allocate)  # type: ignore[arg-type]
+        if base is not None:
+            fetcher.base, fetcher.base_session = base
+        packed = fetcher.fetch(self.link.address, self.link.credential, None, self.timeout)
+        assert fetcher.base_session is not None
+        return packed, fetcher.base_session

@@ -1,0 +1,91 @@
+"""The network transport's trainer end as the send lifecycle drives it (``core/endpoints``).
+
+One listener (:class:`~.publisher.VersionPublisher`) at the scheme's address takes both the
+workers' control connections (:class:`~.members.NetMembers`) and their hosts' fetches. A
+version is packed once (cast to the wire dtype, checksummed per chunk) and each worker is
+told of it; each host fetches it once, as whole chunks or as a delta against the version
+it holds, and a send is delivered once every worker's host staged it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from weightsync.core.deadline import Deadline
+from weightsync.core.endpoints import Losses
+from weightsync.core.layout import Layout
+from weightsync.transports.net.members import NetMembers
+from weightsync.transports.net.packed import plan
+from weightsync.transports.net.publisher import VersionPublisher
+
+#: how long the figures of a version wait for streams whose verdict was just sent
+_FIGURES_SETTLE_S = 1.0
+
+
+class NetWriter:
+    """The trainer's end: serves each version at ``address`` to the hosts of the workers."""
+
+    needs_acks = True  # a send returns once every worker's host staged the version
+
+    def __init__(self, address: str, token: str, num_workers: int, *, timeout: float,
+                 dtype: torch.dtype | None, delta: bool) -> None:
+        self.address, self._token = address, token
+        self.timeout, self.dtype, self.delta = timeout, dtype, delta
+        self.members = NetMembers(num_workers)
+        self.publisher: VersionPublisher | None = None
+
+    def start(self, deadline: Deadline) -> None:
+        """Listen (the workers waiting to connect are let in from here)."""
+        self.publisher = VersionPublisher(self.address, self._token, timeout=self.timeout,
+                                          delta=self.delta, on_join=self.members.serve)
+        self.members.session = self.publisher.session
+
+    def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
+                version: int, deadline: Deadline) -> Losses:
+        """Pack the version once (tied names once), then make it the one hosts fetch."""
+        assert self.publisher is not None
+        weights = {spec.name: flat[spec.name] for spec in layout}
+        packed = plan(weights, version, self.dtype)
+        spare = self.publisher.spare_buffer(packed.nbytes)
+        if spare is not None:
+            packed.buffer = spare
+        packed.fill(weights)
+        with self.members.joining:
+            self.publisher.publish(packed)
+            self.members.published(version, layout.with_dtype(self.dtype).to_dict())
+            return self.members.reachable(requested)[1]
+
+    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
+        return self.members.notify(targets, version)
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: Losses) -> None:
+        self.members.wait_staged(targets, version, deadline, lost)
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        self.members.wait_joined(version, deadline)
+
+    def held_versions(self) -> dict[int, int]:
+        return self.members.held_versions()
+
+    def version_figures(self, version: int) -> dict[str, Any]:
+        """What crossed the trainer's link for ``version``: ``wire_bytes`` (every byte of
+        its streams, headers and MACs included), ``hosts`` (fetches: one per host),
+        ``chunks``, ``delta_chunks``, and ``whole`` (why a host got it whole, by host)."""
+        streams = [] if self.publisher is None else self.publisher.figures(
+            version, settle=_FIGURES_SETTLE_S)
+        return {
+            "wire_bytes": sum(s.wire_bytes for s in streams),
+            "hosts": len(streams),
+            "chunks": sum(s.chunks for s in streams),
+            "delta_chunks": sum(s.delta_chunks for s in streams),
+            "whole": {s.host: s.whole_reason for s in streams if s.whole_reason is not None},
+        }
+
+    def close(self) -> None:
+        self.members.close()
+        if self.publisher is not None:
+            self.publisher.close()
