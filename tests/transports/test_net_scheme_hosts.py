@@ -1,0 +1,200 @@
+"""``NetWeightSyncScheme`` across hosts: the trainer on host A (a network namespace), its
+workers on host A and host B, each host its own mount namespace with a private /dev/shm
+and /tmp (no file shared with the trainer or with each other). Workers report to their
+own files; every wait has a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from net_host_workers import checksum, make_model
+
+import weightsync as ws
+from weightsync.bench.multihost import ADDRESS_A, TwoHostCluster, two_host_network
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
+
+TESTS = Path(__file__).resolve().parent.parent
+SRC = TESTS.parent / "src"
+Reports = dict[int, list[list]]
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[TwoHostCluster]:
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "unshare", "mount")):
+        pytest.skip("two hosts unavailable: needs root and the ip, unshare and mount commands")
+    with two_host_network() as made:
+        made.enter("a")  # the trainer (this process) lives on host A
+        yield made
+
+
+@pytest.fixture
+def out_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ws-net-hosts-", dir="/var/tmp"))
+    yield path
+    (path / "stop").touch()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class HostWorkers:
+    """Worker processes on one host: ``ip netns exec`` + a private mount namespace."""
+
+    def __init__(self, ns: str, scheme: ws.NetWeightSyncScheme, out_dir: Path,
+                 indices: list[int]) -> None:
+        pickled = out_dir / f"scheme-{ns}.pkl"
+        pickled.write_bytes(pickle.dumps(scheme))
+        script = ("mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "
+                  + " ".join([sys.executable, str(TESTS / "net_host_workers.py"), str(pickled),
+                              str(out_dir), *map(str, indices)]))
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
+             "sh", "-c", script], env=env, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=open(out_dir / f"{ns}.log", "wb"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+def reports(out_dir: Path) -> Reports:
+    found: Reports = {}
+    for path in out_dir.glob("worker*"):
+        idx = int(path.name.removeprefix("worker"))
+        found[idx] = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return found
+
+
+def wait_reports(out_dir: Path, done: Callable[[Reports], bool], timeout: float = 60) -> Reports:
+    end = time.monotonic() + timeout
+    while True:
+        got = reports(out_dir)
+        if done(got):
+            return got
+        if time.monotonic() > end:
+            logs = {p.name: p.read_text()[-2000:] for p in out_dir.glob("*.log")}
+            raise AssertionError(f"workers did not report in {timeout} s: {got}; logs: {logs}")
+        time.sleep(0.05)
+
+
+def holds(version: int, workers: list[int]) -> Callable[[Reports], bool]:
+    return lambda got: all(any(r[0] == "version" and r[2] == version for r in got.get(w, []))
+                           for w in workers)
+
+
+def checksums_of(got: Reports, version: int) -> dict[int, float]:
+    return {w: r[3] for w, lines in got.items() for r in lines
+            if r[0] == "version" and r[2] == version}
+
+
+def bf16_checksum(model: torch.nn.Module) -> float:
+    return float(sum(t.detach().to(torch.bfloat16).double().sum()
+                     for t in model.state_dict().values()))
+
+
+def step(model: torch.nn.Module, seed: int) -> None:
+    """A small optimizer-like step: most bf16 words stay, some change."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for t in model.parameters():
+            t.add_(torch.randn_like(t) * 1e-3 * (torch.rand_like(t) < 0.2))
+
+
+def test_two_hosts_three_workers_bf16_deltas_and_a_killed_worker(hosts, out_dir):
+    scheme = ws.NetWeightSyncScheme(num_workers=3, address=f"{ADDRESS_A}:0",
+                                    dtype=torch.bfloat16, delta=True, timeout=60)
+    host_a = HostWorkers(hosts.ns_a, scheme, out_dir, [0])
+    host_b = HostWorkers(hosts.ns_b, scheme, out_dir, [1, 2])
+    model = make_model()
+    try:
+        with scheme.create_sender() as sender:
+            sender.register_model(model)
+            assert sender.connect(timeout=90) == 0
+            got = wait_reports(out_dir, holds(0, [0, 1, 2]))
+            assert set(checksums_of(got, 0).values()) == {bf16_checksum(model)}
+            assert sender.stats()["last"]["hosts"] == 2  # one fetch per host
+            version_bytes = sender.stats()["last"]["nbytes"] // 2  # bf16 on the wire
+
+            for seed in (1, 2, 3):
+                step(model, seed)
+                version = sender.send(timeout=60)
+                last = sender.stats()["last"]
+                assert last["hosts"] == 2, last  # workers 1 and 2 share host B's fetch
+                assert last["delta_chunks"] >= 1, last  # each host held the version before
+                assert last["wire_bytes"] < 2 * version_bytes, last
+                got = wait_reports(out_dir, holds(version, [0, 1, 2]))
+                assert checksums_of(got, version) == dict.fromkeys([0, 1, 2], bf16_checksum(model))
+
+            pid = next(r[2] for r in reports(out_dir)[2] if r[0] == "pid")
+            os.kill(pid, signal.SIGKILL)
+            step(model, 4)
+            deadline = time.monotonic() + 30
+            with pytest.raises(ws.WorkerLostError) as lost:
+                while time.monotonic() < deadline:  # the loss is named at a send, at once
+                    sender.send(timeout=30)
+            assert lost.value.worker_ids == (2,)
+            assert "worker 2" in str(lost.value)
+            got = wait_reports(out_dir, holds(lost.value.version, [0, 1]))
+            assert set(checksums_of(got, lost.value.version).values()) == {bf16_checksum(model)}
+            step(model, 5)
+            version = sender.send(worker_ids=[0, 1], timeout=30)  # the others go on
+            wait_reports(out_dir, holds(version, [0, 1]))
+    finally:
+        (out_dir / "stop").touch()
+        host_a.stop()
+        host_b.stop()
+
+
+def _trainer(scheme: ws.NetWeightSyncScheme, ready: str) -> None:
+    model = make_model()
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.connect(timeout=90)
+    step(model, 1)
+    sender.send(timeout=60)
+    Path(ready + ".tmp").write_text(str(bf16_checksum(model)))
+    os.replace(ready + ".tmp", ready)
+    time.sleep(300)
+
+
+def test_a_killed_trainer_is_sender_lost_on_every_host(hosts, out_dir):
+    import multiprocessing as mp
+
+    scheme = ws.NetWeightSyncScheme(num_workers=3, address=f"{ADDRESS_A}:0",
+                                    dtype=torch.bfloat16, delta=True, timeout=60)
+    host_a = HostWorkers(hosts.ns_a, scheme, out_dir, [0])
+    host_b = HostWorkers(hosts.ns_b, scheme, out_dir, [1, 2])
+    ready = out_dir / "trainer-ready"
+    trainer = mp.get_context("fork").Process(target=_trainer, args=(scheme, str(ready)),
+                                             daemon=True)  # forked on host A
+    trainer.start()
+    try:
+        wait_reports(out_dir, lambda got: holds(1, [0, 1, 2])(got) and ready.exists(), timeout=90)
+        expected = float(ready.read_text())
+        trainer.kill()
+        trainer.join(10)
+        got = wait_reports(out_dir, lambda g: all(
+            any(r[0] == "error" for r in g.get(w, [])) for w in (0, 1, 2)), timeout=30)
+        for w in (0, 1, 2):
+            error = next(r for r in got[w] if r[0] == "error")
+            assert error[2] == "SenderLostError", error
+            assert error[4] == 1 and error[5] == expected  # each keeps the version it held
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        (out_dir / "stop").touch()
+        host_a.stop()
+        host_b.stop()
