@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from net_host_workers import checksum, make_model
+from net_host_workers import make_model
 
 import weightsync as ws
 from weightsync.bench.multihost import ADDRESS_A, TwoHostCluster, two_host_network
@@ -59,10 +59,11 @@ class HostWorkers:
                   + " ".join([sys.executable, str(TESTS / "net_host_workers.py"), str(pickled),
                               str(out_dir), *map(str, indices)]))
         env = os.environ | {"PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
-             "sh", "-c", script], env=env, start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=open(out_dir / f"{ns}.log", "wb"))
+        with open(out_dir / f"{ns}.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
+                 "sh", "-c", script], env=env, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=log)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
