@@ -523,3 +523,41 @@ def test_ray_collector_on_the_trainers_node() -> None:
         if started:
             ray.shutdown()
     assert weightsync_threads() == []
+
+
+# ---------------------------------------------------------------------- the network scheme
+def test_multisync_collector_on_the_network_scheme_bf16_deltas() -> None:
+    """A MultiSyncCollector whose workers take each version over weightsync's network
+    scheme (loopback here; the two-host case is tests/transports/test_net_scheme_hosts.py):
+    bf16 on the wire with deltas (the probe's values are exact in bf16), every batch one
+    whole version, ``worker_ids`` updating only those, one fetch per host."""
+    from weightsync.integrations.torchrl import NetWeightSyncScheme
+
+    policy = make_probe_policy()
+    fill_(policy, BASE)
+    scheme = NetWeightSyncScheme(dtype=torch.bfloat16, delta=True, timeout=60)
+    collector = MultiSyncCollector([make_cartpole] * 2, policy, frames_per_batch=100,
+                                   total_frames=500, weight_sync_schemes={"policy": scheme},
+                                   track_policy_version=True)
+    procs = list(collector.procs)
+    try:
+        expected = [0, 0]
+        for i, batch in enumerate(collector):
+            versions = assert_tags_match_weights(batch)
+            for worker in (0, 1):
+                assert set(versions[worker].tolist()) == {expected[worker]}, (i, expected)
+            version = scheme.version + 1
+            fill_(policy, BASE + version)
+            if i == 2:
+                collector.update_policy_weights_(worker_ids=[0])
+                expected[0] = version
+            else:
+                collector.update_policy_weights_()
+                expected = [version, version]
+            last = scheme._sender.stats()["last"]
+            assert last["hosts"] == 1, last  # both workers share this host's one fetch
+        assert expected == [5, 5], expected
+    finally:
+        collector.shutdown()
+    assert not wait_dead(procs), "collector workers still alive after shutdown()"
+    assert weightsync_threads() == []

@@ -1,7 +1,8 @@
 """TorchRL collectors on weightsync: switch with one import line.
 
 ``from weightsync.integrations.torchrl import SharedMemWeightSyncScheme`` (or
-``MultiProcessWeightSyncScheme``, or ``RayWeightSyncScheme`` for ``RayCollector``) in place
+``MultiProcessWeightSyncScheme``, ``NetWeightSyncScheme`` for workers on other hosts, or
+``RayWeightSyncScheme`` for ``RayCollector``) in place
 of ``from torchrl.weight_update import ...``: same names and constructor arguments,
 subclasses of TorchRL's ``WeightSyncScheme`` (so a collector's
 ``weight_sync_schemes={"policy": scheme}`` accepts them), running on weightsync's own
@@ -27,6 +28,7 @@ from weightsync.integrations.torchrl.llm import (
     VLLMDoubleBufferWeightSender,
     VLLMDoubleBufferWeightUpdater,
 )
+from weightsync.integrations.torchrl.net_scheme import NET_BACKEND, NetWeightSyncScheme
 from weightsync.integrations.torchrl.ray_scheme import RAY_BACKEND, RayWeightSyncScheme
 from weightsync.integrations.torchrl.schemes import (
     PROCESS_BACKEND,
@@ -36,11 +38,13 @@ from weightsync.integrations.torchrl.schemes import (
 )
 
 __all__ = [
+    "NET_BACKEND",
     "PROCESS_BACKEND",
     "RAY_BACKEND",
     "SHARED_BACKEND",
     "VLLM_DOUBLE_BUFFER_BACKEND",
     "MultiProcessWeightSyncScheme",
+    "NetWeightSyncScheme",
     "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "VLLMDoubleBufferSyncScheme",
