@@ -30,17 +30,35 @@ def _net_scheme(*args: Any, **kwargs: Any) -> ws.NetWeightSyncScheme:
     return ws.NetWeightSyncScheme(*args, address="127.0.0.1:0", **kwargs)
 
 
+def _directory_scheme(*args: Any, **kwargs: Any) -> ws.VLLMDoubleBufferSyncScheme:
+    """The directory scheme in a fresh private directory of /dev/shm (removed after the
+    test by the ``scheme_cls`` fixture)."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="ws-suite-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    _SUITE_DIRS.append(path)
+    return ws.VLLMDoubleBufferSyncScheme(path, *args, **kwargs)
+
+
+_SUITE_DIRS: list[str] = []
+
+
 SCHEMES = {
     "shm": ws.SharedMemWeightSyncScheme,
     "shm-zero-copy": _zero_copy_scheme,
     "mp": ws.MultiProcessWeightSyncScheme,
     "net": _net_scheme,
+    "directory": _directory_scheme,
 }
 
 
 @pytest.fixture(params=sorted(SCHEMES))
-def scheme_cls(request: pytest.FixtureRequest) -> Any:
-    return SCHEMES[request.param]
+def scheme_cls(request: pytest.FixtureRequest) -> Iterator[Any]:
+    yield SCHEMES[request.param]
+    import shutil
+
+    while _SUITE_DIRS:
+        shutil.rmtree(_SUITE_DIRS.pop(), ignore_errors=True)
 
 
 class MergedQueue:

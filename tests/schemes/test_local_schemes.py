@@ -1,4 +1,5 @@
-"""The API.md promises for the same-host schemes (SharedMem and MultiProcess), with real
+"""The contract's promises for every scheme whose ends can run on one host (conftest's
+``SCHEMES``: SharedMem, MultiProcess, the network scheme on loopback, the directory), with real
 processes, real shared memory and real sockets. Every wait has a timeout."""
 
 from __future__ import annotations
@@ -227,6 +228,10 @@ def test_receiver_whose_trainer_died_gets_an_error_not_a_hang(scheme_cls, worker
     import multiprocessing as mp
 
     scheme = scheme_cls(num_workers=1, timeout=30)
+    if isinstance(scheme, ws.VLLMDoubleBufferSyncScheme):
+        pytest.skip("the directory's send returns once each worker applied the version (its "
+                    "ack); this trainer sends while the worker does not poll (the directory's "
+                    "own trainer-death tests: tests/faults/test_directory_faults.py)")
     ctx = mp.get_context("fork")
     trainer = ctx.Process(target=trainer_process, args=(scheme, workers.out.new(), 2), daemon=True)
     trainer.start()
@@ -305,8 +310,9 @@ def test_bad_input_is_refused_without_a_version_bump(scheme_cls, workers):
         sender.send_async()
     assert sender.wait_async(timeout=30) == 1
     assert sender.version == 1
-    with pytest.raises(ValueError):
-        scheme.create_receiver(worker_idx=3)
+    if not isinstance(scheme, ws.VLLMDoubleBufferSyncScheme):  # any process that sees the
+        with pytest.raises(ValueError):                         # directory may read it; only
+            scheme.create_receiver(worker_idx=3)                # num_workers are waited for
     sender.close()
 
 

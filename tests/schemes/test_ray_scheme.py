@@ -104,7 +104,7 @@ def test_versions_snapshot_and_isolation(actors, node_local):
 def test_actors_created_after_the_sender_are_discovered(actors):
     scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30)
     model = make_model()
-    with scheme.create_sender() as sender:  # API.md's order: sender first, then the workers
+    with scheme.create_sender() as sender:  # the contract's order: sender first, then the workers
         sender.register_model(model)
         group = actors(scheme, 2)
         assert sender.connect(timeout=60) == 0

@@ -218,10 +218,15 @@ class Ack:
     pid: int
     host: str
     scope: str | None = None
+    #: the worker refused the weights' layout: ``message``, ``key``, ``expected``, ``got``
+    mismatch: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "pid": self.pid, "host": self.host,
-                "pidns": self.scope, "at": time.time()}
+        described: dict[str, Any] = {"version": self.version, "pid": self.pid,
+                                     "host": self.host, "pidns": self.scope, "at": time.time()}
+        if self.mismatch is not None:
+            described["mismatch"] = self.mismatch
+        return described
 
 
 def read_ack(directory: Path, worker_idx: int) -> Ack | None:
@@ -236,8 +241,12 @@ def read_ack(directory: Path, worker_idx: int) -> Ack | None:
     scope = obj.get("pidns")
     if scope is not None and not (isinstance(scope, str) and len(scope) <= 256):
         raise IntegrityError(f"{path}: pidns must be a short string or null, got {scope!r:.80}")
+    mismatch = obj.get("mismatch")
+    if mismatch is not None and not (isinstance(mismatch, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mismatch.items())):
+        raise IntegrityError(f"{path}: mismatch must map strings to strings, got {mismatch!r:.80}")
     return Ack(_int(obj.get("version"), "version", path, minimum=-1),
-               _int(obj.get("pid"), "pid", path, minimum=1), host, scope)
+               _int(obj.get("pid"), "pid", path, minimum=1), host, scope, mismatch)
 
 
 def _file_id(fd: int) -> tuple[int, int]:

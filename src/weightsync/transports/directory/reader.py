@@ -18,7 +18,7 @@ import torch
 
 from weightsync.core.checksum import check_function
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import IntegrityError, SenderLostError
+from weightsync.core.errors import IntegrityError, SchemaMismatchError, SenderLostError
 from weightsync.core.layout import Layout
 from weightsync.core.liveness import pid_scope
 from weightsync.transports.directory.files import check_directory, write_json_atomic
@@ -146,6 +146,16 @@ class DirectoryReader:
         else:
             self._unwritten_ack = None
 
+    def _report_mismatch(self, error: SchemaMismatchError) -> None:
+        """Tell the trainer (in this worker's ack file) which key this worker refuses, so
+        that its ``connect()`` names it instead of waiting for an ack that never comes."""
+        said = {"message": str(error)[:2000]} | {
+            name: str(value)[:500] for name in ("key", "expected", "got")
+            if (value := getattr(error, name)) is not None}
+        with contextlib.suppress(OSError):
+            write_json_atomic(self._ack_path, Ack(-1, os.getpid(), self._host, pid_scope(),
+                                                  said).to_json(), mode=self.mode, durable=False)
+
     def sender_alive(self) -> bool:
         """Whether a live sender holds the directory's lock; a positive answer is reused
         for :data:`ALIVE_RECHECK_S`, so a tight ``poll()`` loop costs no extra system calls."""
@@ -209,7 +219,11 @@ class DirectoryReader:
                 self.pin_for_cuda()
             key = (slot.layout.fingerprint, tuple((name, *t.shape) for name, t in dest.items()))
             if self._layout_checked != key:
-                check_layout_matches(slot.layout, dest, f"worker {self.worker_idx}")
+                try:
+                    check_layout_matches(slot.layout, dest, f"worker {self.worker_idx}")
+                except SchemaMismatchError as exc:
+                    self._report_mismatch(exc)
+                    raise
                 self._layout_checked = key
             slot.layout.unpack(slot.buffers, dest)
             return True

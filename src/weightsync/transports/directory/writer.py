@@ -6,6 +6,7 @@ manifest entry names and no reader has locked, then committed by replacing the m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from weightsync.core.checksum import CHECKSUM_ID
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import (
     IntegrityError,
+    SchemaMismatchError,
     WeightSyncTimeoutError,
     WorkerLostError,
 )
@@ -38,6 +40,7 @@ from weightsync.transports.directory.manifest import (
     SenderLock,
     SlotFile,
     SlotRecord,
+    ack_path,
     close_slots,
     file_layout,
     pack_with_checksums,
@@ -237,24 +240,44 @@ class DirectoryWriter:
 
     # ------------------------------------------------------------------ acks
     def wait_acks(self, version: int, worker_ids: list[int], deadline: Deadline,
-                  held: dict[int, int]) -> None:
+                  held: dict[int, int], lost: dict[int, str] | None = None) -> None:
         """Block until every worker of ``worker_ids`` acknowledged ``version``
-        (:func:`wait_for_acks`)."""
+        (:func:`wait_for_acks`; ``lost``: see there)."""
         wait_for_acks(self.directory, version, worker_ids, deadline, held,
-                      recovered_version=self.recovered_version, poll_interval=self.poll_interval)
+                      recovered_version=self.recovered_version, poll_interval=self.poll_interval,
+                      lost=lost)
 
     # ------------------------------------------------------------------ as the scheme's writer
     needs_acks = True
 
     def start(self, deadline: Deadline) -> None:
-        """Nothing to meet: workers read the directory whenever they look."""
+        """Nothing to meet: workers read the directory whenever they look. A refusal left by
+        a worker of an earlier sender (an ack naming a layout mismatch) is cleared: it was
+        about that sender's weights."""
+        for w in range(self.num_workers):
+            with contextlib.suppress(IntegrityError, OSError):
+                ack = read_ack(self.directory, w)
+                if ack is not None and ack.mismatch is not None:
+                    os.unlink(ack_path(self.directory, w))
 
     def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> dict[int, str]:
         """Write and commit ``version`` for ``requested``; every worker can read it."""
         done = self.commit(flat, layout, requested, len(requested) == self.num_workers, deadline)
         assert done.version == version, (done.version, version)
-        return {}
+        return self._known_dead(requested)
+
+    def _known_dead(self, workers: list[int]) -> dict[int, str]:
+        """The workers whose last ack (of this sender) names a process that died: they
+        are not waited for (a restarted one acks again, from its new process)."""
+        dead = {}
+        for w in workers:
+            with contextlib.suppress(IntegrityError, OSError):
+                ack = read_ack(self.directory, w)
+                if ack is not None and ack.version > self.recovered_version \
+                        and judged_by_pid(ack.scope) and process_dying(ack.pid):
+                    dead[w] = f"its process {ack.pid} died (its ack file in {self.directory})"
+        return dead
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
         """The commit was the delivery: workers find it in the manifest."""
@@ -262,13 +285,16 @@ class DirectoryWriter:
 
     def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
                    lost: dict[int, str]) -> None:
-        self.wait_acks(version, targets, deadline, self.held)
+        self.wait_acks(version, targets, deadline, self.held, lost)
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         self.wait_acks(version, list(range(self.num_workers)), deadline, self.held)
 
     def held_versions(self) -> dict[int, int]:
-        return dict(self.held)
+        """The versions the workers acknowledged, but for those whose process died (a
+        worker listed here counts as back, and is reported lost again if it goes)."""
+        dead = self._known_dead(list(self.held))
+        return {w: v for w, v in self.held.items() if w not in dead}
 
     def close(self) -> None:
         close_slots(self._slots)
@@ -281,7 +307,8 @@ def _without_ties(metadata: Mapping[str, str]) -> dict[str, str]:
 
 
 def wait_for_acks(directory: Path, version: int, worker_ids: list[int], deadline: Deadline,
-                  held: dict[int, int], *, recovered_version: int, poll_interval: float) -> None:
+                  held: dict[int, int], *, recovered_version: int, poll_interval: float,
+                  lost: dict[int, str] | None = None) -> None:
     """Block until every worker of ``worker_ids`` acknowledged ``version`` (``held`` gets
     each worker's acknowledged version as it is read).
 
@@ -289,26 +316,34 @@ def wait_for_acks(directory: Path, version: int, worker_ids: list[int], deadline
     an ack left from before this sender started (``recovered_version`` or older) means "not
     connected yet", and that worker is waited for until the deadline. The pid is judged only when the ack was
     written in this process's pid namespace on this boot of this host (its ``pidns``):
-    a worker in another container is waited for until the deadline instead."""
+    a worker in another container is waited for until the deadline instead. With ``lost``
+    (a send), a dead worker is added to it and the others are still waited for (the sender
+    names the lost ones once the others hold the version); without (``connect``), it is
+    ``WorkerLostError`` at once."""
+    dead: dict[int, str] = {} if lost is None else lost
     while True:
-        slow, lost, stale = [], [], {}
+        slow, stale = [], {}
         for w in worker_ids:
+            if w in dead:
+                continue
             ack = read_ack(directory, w)
             held[w] = NO_VERSION if ack is None else ack.version
+            if ack is not None and ack.mismatch is not None:
+                said = ack.mismatch
+                raise SchemaMismatchError(
+                    f"worker {w} refused the weights: {said.get('message', '')}",
+                    key=said.get("key"), expected=said.get("expected"), got=said.get("got"))
             if ack is not None and ack.version >= version:
                 continue
             if ack is not None and judged_by_pid(ack.scope) and process_dying(ack.pid):
                 if ack.version > recovered_version:
-                    lost.append(w)
+                    dead[w] = (f"its process {ack.pid} died before taking version {version} "
+                               f"(its ack file in {directory})")
                     continue
                 stale[w] = ack
             slow.append(w)
-        if lost:
-            raise WorkerLostError(
-                f"worker(s) {lost} died before taking version {version} (their ack files in "
-                f"{directory} name a dead process of this host and pid namespace)",
-                worker_ids=lost, version=version,
-            )
+        if dead and lost is None:
+            raise WorkerLostError.naming(dead, version)
         if not slow:
             return
         if deadline.expired():
