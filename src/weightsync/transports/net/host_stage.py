@@ -202,7 +202,9 @@ class HostStage:
             packed, session = fetch(base, allocate)
             os.replace(incoming, self.directory / f"v{packed.version}.bin")
             header = self.directory / f"v{packed.version}.json.tmp"
-            header.write_text(json.dumps(packed.header(session)), encoding="utf-8")
+            fd = os.open(header, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(packed.header(session), f)
             os.replace(header, self.directory / f"v{packed.version}.json")  # the commit
             for old in self._versions()[:-KEEP]:
                 for suffix in (".json", ".bin"):
