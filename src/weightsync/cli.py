@@ -209,9 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "every worker's model holds the version, beside one memcpy of the "
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
-                       choices=["shm", "mp", "ray", "file", "sharded", "ray-delta", "lora",
-                                "vllm-serve"],
-                       help="transports to time (ray only if installed; sharded: an FSDP2 "
+                       choices=["shm", "mp", "net", "ray", "file", "sharded", "ray-delta",
+                                "lora", "vllm-serve"],
+                       help="transports to time (ray only if installed; net: the network "
+                       "scheme on loopback, one host's workers sharing its fetch; sharded: an FSDP2 "
                        "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
                        "baseline, with 2 zero-copy workers; ray-delta: full vs delta=True "
                        "bf16 sends to a second host, two network namespaces this command "

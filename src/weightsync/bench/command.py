@@ -43,7 +43,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     args.sizes = [(text, parse_size(text)) for text in args.sizes]
 
-    local = [t for t in args.transports if t in ("shm", "mp")]
+    local = [t for t in args.transports if t in ("shm", "mp", "net")]
     modes = len(args.shm_modes) if "shm" in local else 0
     total = len(args.sizes) * (len(args.workers) * (len(local) - ("shm" in local) + modes
                                                     + 2 * ("ray" in args.transports))

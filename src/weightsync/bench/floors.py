@@ -96,12 +96,22 @@ def _socket_reader(sock: Any, nbytes: int, rounds: int) -> None:
         sock.sendall(b"k")
 
 
-def socket_times(nbytes: int, repeats: int = 5) -> list[float]:
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname()[:2])
+        theirs = listener.accept()[0]
+    for end in (ours, theirs):
+        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ours, theirs
+
+
+def socket_times(nbytes: int, repeats: int = 5, tcp: bool = False) -> list[float]:
     """Seconds of each move of ``nbytes`` from this process into another one's buffer over a
-    bare Unix socket (no framing, no snapshot, no apply): MultiProcess's own floor here."""
+    bare Unix socket (no framing, no snapshot, no apply): MultiProcess's own floor here;
+    ``tcp``: over TCP on loopback, the network scheme's floor on one host."""
     from weightsync.transports.local.channel import _SOCKET_BUFFER
 
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = _tcp_pair() if tcp else socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for end in (ours, theirs):
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):

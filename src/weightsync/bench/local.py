@@ -1,5 +1,6 @@
-"""SharedMem and MultiProcess, timed as a user feels them: until ``send()`` returns (the
-version is published) and until every worker's model holds it (applied in ``poll()``).
+"""SharedMem, MultiProcess and the network scheme (on loopback), timed as a user feels
+them: until ``send()`` returns (the version is published) and until every worker's model
+holds it (applied in ``poll()``).
 
 Workers act like collectors: a short environment step, then ``poll()``; with a step of 0
 they act like a user who wants each version at once and block in ``receive()`` (woken by
@@ -238,6 +239,10 @@ def run_bench(
                                              floor_name))
             if transport == "shm" and step_s <= 0 and device == "cpu":
                 rows += _publish_and_wake_floors(size, nbytes, worker_counts, repeats)
+            if transport == "net":  # what loopback TCP alone costs, beside the same memcpy
+                samples = socket_times(nbytes, repeats=max(5, min(repeats, 20)), tcp=True)
+                rows.append(make_row("net floor: bare TCP loopback transfer", size, nbytes, 1,
+                                     samples, memcpy_floor(nbytes)))
             if transport == "mp":  # what the socket alone costs, beside the same memcpy
                 floor = memcpy_floor(nbytes)
                 samples = socket_times(nbytes, repeats=max(5, min(repeats, 20)))
