@@ -386,21 +386,21 @@ def test_poll_never_blocks_on_a_slot_whose_handle_has_not_arrived():
     from weightsync.core.deadline import Deadline
     from weightsync.core.layout import Layout
     from weightsync.transports.shm import slots as shm_slots
-    from weightsync.transports.shm import transport as shm
     from weightsync.transports.shm import worker_slots
+    from weightsync.transports.shm.reader import SlotReader
 
     layout = Layout.from_weights({"w": torch.zeros(4)})
     sender_side = shm_slots._SenderModel(layout, max_slots=4)
-    transport = shm.SharedMemTransport()
+    reader = SlotReader()
     ack = sender_side.acks[0] = shm_slots._Ack()
-    transport._receiver_models["policy"] = worker_slots._ReceiverModel(
+    reader._models["policy"] = worker_slots._ReceiverModel(
         layout, os.dup(sender_side.control.fd), os.dup(ack.segment.fd))
     sender_side.set_target(0, shm_slots._pack_target(3, 2))  # version 3 in slot 2: never announced
     t0 = time.monotonic()
-    assert transport.apply_latest(0, {"w": torch.zeros(4)}, 0, Deadline(0)) is None
-    assert transport.adopt_latest(0, {"w": torch.zeros(4)}, 0, Deadline(0)) is None
+    assert reader.apply_latest(0, {"w": torch.zeros(4)}, 0, Deadline(0)) is None
+    assert reader.adopt_latest(0, {"w": torch.zeros(4)}, 0, Deadline(0)) is None
     assert time.monotonic() - t0 < 0.5
-    transport.close()
+    reader.close()
     sender_side.close()
 
 

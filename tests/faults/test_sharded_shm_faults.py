@@ -182,7 +182,7 @@ def test_a_worker_cannot_write_the_slots_the_ranks_write():
             expect(ranks, r, "connected")
         for t in threads:
             t.join(30)
-        slots = receivers[0].reader.transport._receiver_models["policy"].slots
+        slots = receivers[0].reader.slots._models["policy"].slots
         assert slots
         for slot in slots.values():
             fd = slot.segments["cpu"].fd

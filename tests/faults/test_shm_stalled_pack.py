@@ -53,7 +53,7 @@ def _signal_mid_pack(receiver: Any, pid: int, how: signal.Signals) -> None:
     while not receiver.newer_published():
         assert time.monotonic() - t0 < 20, "the trainer published nothing"
         time.sleep(0.0002)
-    rmodel = receiver.reader.transport._receiver_models["policy"]
+    rmodel = receiver.reader.slots._models["policy"]
     _, slot = _unpack_target(rmodel.ctrl[_HEADER_WORDS + 0])
     while rmodel.ctrl[_PACKED_BASE + slot] < rmodel.plan.total // 4:
         assert time.monotonic() - t0 < 20, "the pack does not move"

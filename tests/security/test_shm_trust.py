@@ -76,7 +76,7 @@ def _close(sender: SharedMemTransport, receivers: list[SharedMemTransport], pipe
 
 def _worker_fds(receiver: SharedMemTransport) -> dict[str, int]:
     """Every shared-memory fd a connected worker holds: control block, slots, its ack."""
-    model = receiver._receiver_models["policy"]
+    model = receiver.reader._models["policy"]
     fds = {"control": model.control.fd}
     for index, slot in model.slots.items():
         fds[f"slot {index}"] = slot.segments["cpu"].fd
@@ -130,7 +130,7 @@ def test_a_worker_cannot_write_the_slots_or_the_control_block() -> None:
         assert changes == {name: dict.fromkeys(tries, "PermissionError")
                            for name, tries in changes.items()}
         # the worker's own mappings are read-only too: its views cannot be written
-        model = receivers[0]._receiver_models["policy"]
+        model = receivers[0].reader._models["policy"]
         assert model.ctrl.readonly
         # and the trainer's next version still reaches it whole
         sender.send_weights("policy", _weights(1.0))
@@ -167,7 +167,7 @@ def test_a_worker_writes_only_its_own_ack_region() -> None:
         assert got is not None
         assert sender.applied_version(1) == 1
         fds = _worker_fds(attacker)
-        victim_model = victim._receiver_models["policy"]
+        victim_model = victim.reader._models["policy"]
         victim_ack = getattr(victim_model, "ack_segment", None)
         if victim_ack is not None:  # the victim's ack is no fd the attacker holds
             attacker_inodes = {os.fstat(fd).st_ino for fd in fds.values()}
@@ -193,7 +193,7 @@ def test_a_worker_that_joins_again_gets_a_fresh_ack_segment() -> None:
     trainer reads once that index is attached again."""
     sender, receivers, pipes = _connected(1)
     try:
-        old_ack = receivers[0]._receiver_models["policy"].ack_segment
+        old_ack = receivers[0].reader._models["policy"].ack_segment
         old = _writable_map(old_ack.fd)
         a, b = mp.Pipe(duplex=True)
         pipes += [a, b]
@@ -230,7 +230,7 @@ def _run_trainer_as(uid: int, report_w: int, stop_r: int, opt_out: bool) -> None
     _prctl(_PR_SET_DUMPABLE, 1)  # a setuid() made us non-dumpable; a real trainer is not
     transport = SharedMemTransport()
     transport.register_weights("policy", _weights(3.0))
-    model = transport._models["policy"]
+    model = transport.publisher._models["policy"]
     fds = [model.control.fd] + [slot.segments["cpu"].fd for slot in model.slots]
     os.write(report_w, json.dumps({"pid": os.getpid(), "fds": fds,
                                    "dumpable": _prctl(_PR_GET_DUMPABLE)}).encode())

@@ -70,7 +70,7 @@ def test_each_publish_raises_the_ring_workers_sleep_on() -> None:
     weights = {"w": torch.zeros(4)}
     try:
         transport.send_weights(DEFAULT_MODEL_ID, weights)
-        ring = transport._models[DEFAULT_MODEL_ID].ring
+        ring = transport.publisher._models[DEFAULT_MODEL_ID].ring
         assert ring is not None
         before = ring.value
         transport.send_weights(DEFAULT_MODEL_ID, weights)

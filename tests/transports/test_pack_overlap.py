@@ -20,8 +20,8 @@ from weightsync.core.layout import Layout
 from weightsync.transports.local.channel import Channel, ChannelClosed
 from weightsync.transports.memory.pieces import PIECE_BYTES, PiecePlan
 from weightsync.transports.mp import streams as multiprocess_streams
+from weightsync.transports.mp.snapshots import as_bytes
 from weightsync.transports.mp.streams import SnapshotPool, Streamer
-from weightsync.transports.mp.transport import as_bytes
 from weightsync.transports.shm.slots import _IDX_LATEST, _lock, _unlock, _unpack_target
 from weightsync.transports.shm.transport import SharedMemTransport
 
@@ -75,7 +75,7 @@ def copying_worker(pipe, out, stop) -> None:
 
 def wait_until_read(transport: SharedMemTransport) -> None:
     """Until the worker holds the shared lock of the newest slot (it follows the pack)."""
-    model = transport._models["policy"]
+    model = transport.publisher._models["policy"]
     index = _unpack_target(model.ctrl[_IDX_LATEST])[1]
     deadline = time.monotonic() + 30
     while _lock(model.control.fd, index, exclusive=True):
@@ -95,7 +95,7 @@ def copying_worker_pair():
     transport.register_pipe(parent)
     transport.send_weights("policy", weights_at(0.0))
     assert out.get(timeout=30) == ("held", 0.0)
-    assert transport._models["policy"].plan.in_pieces
+    assert transport.publisher._models["policy"].plan.in_pieces
     yield transport, out
     stop.set()
     proc.join(10)
@@ -106,7 +106,7 @@ def copying_worker_pair():
 
 def test_a_copying_worker_follows_the_pack_and_holds_the_whole_version(copying_worker_pair):
     transport, out = copying_worker_pair
-    slow_down(transport._models["policy"].plan, lambda: wait_until_read(transport))
+    slow_down(transport.publisher._models["policy"].plan, lambda: wait_until_read(transport))
     transport.send_weights("policy", weights_at(1.0))
     assert out.get(timeout=30) == ("held", 1.0)
 
@@ -118,7 +118,7 @@ def test_a_pack_that_fails_half_way_leaves_the_worker_a_whole_version(copying_wo
         wait_until_read(transport)
         raise RuntimeError("the trainer's pack broke")
 
-    model = transport._models["policy"]
+    model = transport.publisher._models["policy"]
     original = model.plan.pack
     slow_down(model.plan, fail)
     with pytest.raises(RuntimeError, match="pack broke"):
@@ -142,7 +142,7 @@ def test_a_pack_that_stalls_is_given_up_with_a_whole_version(copying_worker_pair
         wait_until_read(transport)
         time.sleep(shm_apply.STALL_S * 4)  # the worker gives up and restores version 0
 
-    slow_down(transport._models["policy"].plan, stall)
+    slow_down(transport.publisher._models["policy"].plan, stall)
     transport.send_weights("policy", weights_at(1.0))
     seen = [out.get(timeout=30)]
     while seen[-1] != ("held", 1.0):

@@ -29,11 +29,9 @@ from weightsync.transports.local.channel import Channel, ChannelClosed, Message
 from weightsync.transports.local.link import LocalLink
 from weightsync.transports.local.members import Members
 from weightsync.transports.mp.pipe import PipeReader
+from weightsync.transports.mp.snapshots import LAYOUT, WEIGHTS, StagedStream
 from weightsync.transports.mp.streams import SnapshotPool, Streamer
-from weightsync.transports.mp.transport import MPTransport
 
-#: the MultiProcess transport's messages
-LAYOUT, WEIGHTS = "mp.layout", "mp.weights"
 #: a rejoin gets at least this long (seconds), even from poll() or a short receive(): it is
 #: one local handshake, and giving up half-way would only start it over
 REJOIN_SECONDS = 5.0
@@ -159,15 +157,15 @@ class StreamReader:
         self.link = link
         self.worker_idx = link.worker_idx
         self.expecting = "weights from the sender"
-        self.transport: MPTransport | None = None
+        self.stream: StagedStream | None = None  # the current connection's staged stream
         self._layout_arrived = threading.Event()
         self._acking = False  # acks start once connect() has checked and applied
         self._pipe: PipeReader | None = None  # where the trainer maps the bytes, if it can
         link.rejoinable = True
 
     def _on_message(self, message: Message, channel: Channel) -> bool:
-        if self.transport is None:
-            self.transport = MPTransport(channel, timeout=self.link.timeout)
+        if self.stream is None:
+            self.stream = StagedStream()
         kind = message.header.get("t")
         if kind not in (LAYOUT, WEIGHTS):
             for fd in message.fds:
@@ -176,7 +174,7 @@ class StreamReader:
             return False
         if kind == LAYOUT:
             self._take_pipe(message)
-        staged = self.transport.handle_message(message, self._reader_for(message, channel))
+        staged = self.stream.handle_message(message, self._reader_for(message, channel))
         if kind == LAYOUT:
             self._layout_arrived.set()
         if staged is not None:
@@ -221,7 +219,7 @@ class StreamReader:
         if self._pipe is not None:
             self._pipe.close()
             self._pipe = None
-        self.transport = None
+        self.stream = None
         self._layout_arrived.clear()
 
     def _rejoin(self, deadline: Deadline | None = None, *, reported_only: bool = True) -> None:
@@ -244,10 +242,10 @@ class StreamReader:
             if deadline.expired():
                 raise WeightSyncTimeoutError(
                     f"worker {self.worker_idx}: the sender sent no weights within {deadline}")
-        assert self.transport is not None and self.transport.sender_layout is not None
+        assert self.stream is not None and self.stream.sender_layout is not None
         if local is not None:
             try:
-                self.transport.sender_layout.check_compatible(
+                self.stream.sender_layout.check_compatible(
                     local, other_name=f"worker {self.worker_idx}")
             except SchemaMismatchError as exc:
                 self.link.report_mismatch(exc)
@@ -271,9 +269,9 @@ class StreamReader:
                      deadline: Deadline) -> int | None:
         self.link.check_connected()
         self._rejoin(deadline)
-        if self.transport is None:
+        if self.stream is None:
             return None
-        return self.transport.apply_staged(dest, version)
+        return self.stream.apply_staged(dest, version)
 
     def wait(self, version: int, deadline: Deadline) -> None:
         self.link.wait(version, deadline, lambda: self.link.delivered > version)

@@ -29,7 +29,7 @@ from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
 from weightsync.transports.local.channel import Channel, ChannelClosed, ChannelTimeout
 from weightsync.transports.mp.pipe import MIN_PAYLOAD_BYTES, PipeWriter
-from weightsync.transports.mp.transport import Snapshot, as_bytes
+from weightsync.transports.mp.snapshots import Snapshot, as_bytes, layout_header
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class Streamer:
 
     def _send_layout(self, layout: Layout, deadline: Deadline) -> None:
         """The layout, with the read end of a page-mapping pipe where one can be made."""
-        header = {"t": "mp.layout", "layout": layout.to_dict()}
+        header = layout_header(layout)
         opened = PipeWriter.open() if layout.nbytes >= MIN_PAYLOAD_BYTES else None
         if opened is None:
             self.channel.send(header, timeout=deadline.slice(10.0))

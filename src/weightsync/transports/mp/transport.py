@@ -1,133 +1,32 @@
-"""MPTransport, with TorchRL's API: weights as raw bytes through a pipe or queue; acks carry versions.
+"""``MPTransport``: TorchRL's multiprocessing transport API, as an adapter at the edge.
 
-The sender packs the weights into a snapshot buffer (one copy, so later optimizer steps
-cannot leak into a send in flight) and streams each piece as soon as it is packed; the
-receiver reads straight into one of two staging buffers and applies it to its model only
-when asked, so a transfer cut off half-way never reaches the model.
+This module exists for TorchRL's transport API (``send_weights``, ``receive_weights``,
+``setup_connection_and_weights_on_sender`` / ``setup_connection_and_weights_on_receiver``,
+``check_ack``), the :class:`~weightsync.transports.base.TransportBackend` protocol. It is
+not on the data path of :class:`~weightsync.schemes.mp.MultiProcessWeightSyncScheme`, whose
+ends (``mp.endpoints``) stream snapshots to each worker through ``mp.streams``. This class
+uses the same data-path classes (``mp.snapshots``: the sender packs a :class:`Snapshot`,
+the receiver stages it in a :class:`StagedStream` and applies it to its model only when
+asked, so a transfer cut off half-way never reaches the model) and adds what TorchRL's
+API needs: a ``multiprocessing.Queue`` pair or one duplex pipe instead of the scheme's
+sockets, one send in flight at a time, and acks read by the caller.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue as queue_module
-import threading
-from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import torch
-
 from weightsync.core.deadline import Deadline, required_timeout
-from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncTimeoutError
+from weightsync.core.errors import SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
-from weightsync.core.staging import StagingBuffers
 from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.local.channel import Channel, ChannelClosed, ChannelTimeout, Message
-from weightsync.transports.memory.pieces import PiecePlan
+from weightsync.transports.mp.snapshots import Snapshot, StagedStream, as_bytes, layout_header
 
-
-def as_bytes(buffer: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU uint8 tensor."""
-    return memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-class PackAbandoned(OSError):
-    """The pack of a snapshot failed after its first bytes were streamed: the frame cannot
-    be completed, so the stream that carried it breaks (the receiver stages nothing)."""
-
-
-class Snapshot:
-    """A sender-side packed copy of one version, streamable while it is being packed.
-
-    ``fill`` packs piece by piece and raises a watermark as it goes; ``pieces`` yields the
-    payload a piece at a time as the watermark passes it, so a streamer writes each piece
-    to its socket while the next one is packed (the pack and the transfer overlap)."""
-
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout.on_device("cpu")
-        self.buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8)
-        self.version = NO_VERSION
-        self.lock = threading.Lock()
-        self._plan = PiecePlan(self.layout)
-        self._views = self._plan.buffer_views({"cpu": self.buffer})
-        self._progress = threading.Condition()
-        self.packed = 0  # bytes of ``version`` packed so far
-        self.failed = False
-
-    def fill(self, flat: Mapping[str, torch.Tensor], version: int,
-             on_started: Callable[[], None] | None = None) -> None:
-        """Pack ``flat`` as ``version``; ``on_started`` runs once the snapshot names the new
-        version (its readers follow the pack from there)."""
-        with self.lock:
-            with self._progress:
-                self.version, self.packed, self.failed = version, 0, False
-            try:
-                if on_started is not None:
-                    on_started()
-                self._plan.pack(flat, {"cpu": self.buffer}, self._advance, self._views)
-            except BaseException:
-                with self._progress:
-                    self.failed = True
-                    self._progress.notify_all()
-                raise
-
-    def _advance(self, watermark: int) -> None:
-        with self._progress:
-            self.packed = watermark
-            self._progress.notify_all()
-
-    @property
-    def complete(self) -> bool:
-        return self.packed == self.layout.nbytes and not self.failed
-
-    def spans(self, deadline: Deadline) -> Iterator[tuple[int, int]]:
-        """Byte ranges ``[lo, hi)`` of the payload, each as soon as it is packed (every
-        byte in a yielded range is final)."""
-        sent, total = 0, self.layout.nbytes
-        while sent < total:
-            with self._progress:
-                while self.packed <= sent and not self.failed:
-                    if deadline.expired():
-                        raise ChannelTimeout(f"version {self.version} was not packed within {deadline}")
-                    self._progress.wait(deadline.slice(0.5))
-                if self.failed:
-                    raise PackAbandoned(f"the pack of version {self.version} failed mid-way")
-                mark = self.packed
-            yield sent, mark
-            sent = mark
-
-    def pieces(self, deadline: Deadline) -> Iterator[memoryview]:
-        """The payload, each piece as soon as it is packed (every yielded byte is final)."""
-        data = as_bytes(self.buffer)
-        for lo, hi in self.spans(deadline):
-            yield data[lo:hi]
-
-    def header(self) -> dict[str, Any]:
-        return {"t": "mp.weights", "v": self.version, "fingerprint": self.layout.fingerprint}
-
-
-class Staging(StagingBuffers):
-    """Receiver side: the staging buffers, filled from the wire after checking the header."""
-
-    def __init__(self, layout: Layout) -> None:
-        super().__init__(layout.on_device("cpu"))
-
-    def receive(self, message: Message, read_into: Any) -> int:
-        """Read the payload of ``message`` into a free buffer via ``read_into(view)``."""
-        header = message.header
-        if header.get("fingerprint") != self.layout.fingerprint:
-            raise IntegrityError(
-                f"weights for layout {header.get('fingerprint')} arrived, expected "
-                f"{self.layout.fingerprint}"
-            )
-        # bytes that come through a pipe beside the socket are announced in the header
-        announced = header.get("pipe_nbytes", message.payload_nbytes)
-        if announced != self.layout.nbytes:
-            raise IntegrityError(
-                f"version {header.get('v')}: {announced} bytes announced, the layout "
-                f"needs {self.layout.nbytes}"
-            )
-        return self.fill(int(header["v"]), lambda buffers: read_into(as_bytes(buffers["cpu"])))
+__all__ = ["MPTransport"]
 
 
 class _QueueEndpoint:
@@ -139,7 +38,7 @@ class _QueueEndpoint:
 
 
 class MPTransport:
-    """Multiprocessing transport: raw weight bytes through a queue or pipe.
+    """Multiprocessing transport with TorchRL's API: raw weight bytes through a queue or pipe.
 
     ``weight_queue`` may be a ``multiprocessing.Queue`` (TorchRL's form; then ``ack_queue``
     carries acknowledgements back) or one duplex pipe/``Channel`` used both ways. The
@@ -155,7 +54,7 @@ class MPTransport:
         else:
             self._channel = Channel.from_pipe(weight_queue)
         self._snapshot: Snapshot | None = None
-        self._staging: Staging | None = None
+        self._stream = StagedStream()  # the receiver side
         self._layout_sent = False
         self._pending_version: int | None = None
         self._version = NO_VERSION
@@ -182,7 +81,7 @@ class MPTransport:
 
     def _send_snapshot(self, snapshot: Snapshot) -> None:
         if not self._layout_sent:
-            self._put({"t": "mp.layout", "layout": snapshot.layout.to_dict()}, None)
+            self._put(layout_header(snapshot.layout), None)
             self._layout_sent = True
         self._put(snapshot.header(), as_bytes(snapshot.buffer))
 
@@ -214,6 +113,8 @@ class MPTransport:
 
     # ------------------------------------------------------------------ receiver side
     def _get(self, deadline: Deadline, ack_side: bool = True) -> Message:
+        """The next message from the pipe, or from the ack queue (``ack_side``) or the
+        weight queue, as a :class:`Message` with its payload already read."""
         if self._channel is not None:
             message = self._channel.recv_header(deadline.remaining())
             return message
@@ -231,25 +132,6 @@ class MPTransport:
         message = Message(header, payload_nbytes=len(payload or b""))
         message.payload = bytearray(payload) if payload is not None else None
         return message
-
-    def handle_message(self, message: Message, read_into: Any) -> int | None:
-        """Take one message from the sender; returns the version staged, if it carried one."""
-        kind = message.header.get("t")
-        if kind == "mp.layout":
-            self._staging = Staging(Layout.from_dict(message.header["layout"]))
-            return None
-        if kind == "mp.weights":
-            if self._staging is None:
-                raise IntegrityError("weights arrived before their layout")
-            return self._staging.receive(message, read_into)
-        return None
-
-    @property
-    def sender_layout(self) -> Layout | None:
-        return None if self._staging is None else self._staging.layout
-
-    def apply_staged(self, dest: Mapping[str, torch.Tensor], held_version: int) -> int | None:
-        return None if self._staging is None else self._staging.apply(dest, held_version)
 
     def _ack(self, version: int) -> None:
         if self._channel is not None:
@@ -285,17 +167,17 @@ class MPTransport:
                     assert self._channel is not None
                     self._channel.recv_payload_into(view, deadline.remaining())
 
-            staged = self.handle_message(message, read_into)
+            staged = self._stream.handle_message(message, read_into)
             if staged is None:
                 continue
             self._ack(staged)
             if target is None:
                 return None
             dest = flat_tensors(target, what="receive_weights destination")
-            assert self._staging is not None
-            self._staging.layout.check_weights(dest, expected_by="the sender's layout",
-                                               given_by="the local model")
-            applied = self.apply_staged(dest, self._version)
+            layout = self._stream.sender_layout
+            assert layout is not None
+            layout.check_weights(dest, expected_by="the sender's layout", given_by="the local model")
+            applied = self._stream.apply_staged(dest, self._version)
             if applied is not None:
                 self._version = applied
             return (strategy or WeightStrategy()).extract_weights(target)
@@ -313,6 +195,7 @@ class MPTransport:
         return self.receive_weights(self.timeout, weights=weights, model=model, strategy=strategy)
 
     def close(self) -> None:
+        """Close the pipe (a queue belongs to the caller, who made it)."""
         if self._channel is not None:
             with contextlib.suppress(OSError):
                 self._channel.close()

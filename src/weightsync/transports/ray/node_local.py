@@ -1,7 +1,8 @@
 """The node-local path of the Ray scheme: actors on the sender's node copy each version out
 of the sender's shared memory instead of taking it over the network.
 
-The sender writes each version once into a :class:`SharedMemTransport` slot; each
+The sender writes each version once into a slot of a
+:class:`~weightsync.transports.shm.publisher.SlotPublisher`; each
 co-located actor maps those segments and copies its version out at ``poll()``, the way
 NCCL and Ray's object store use shared memory within a node. The segments' fds reach an
 actor over the sender's *fd server*, a ``local`` channel listener at an abstract Unix
@@ -37,7 +38,9 @@ from weightsync.transports.local.channel import Channel, Message
 from weightsync.transports.local.hub import close_passed_fds, display_address
 from weightsync.transports.memory.dumpable import protect_sender_process
 from weightsync.transports.ray.group import current_node_id
-from weightsync.transports.shm.transport import DEFAULT_MODEL_ID, SharedMemTransport
+from weightsync.transports.shm.publisher import SlotPublisher
+from weightsync.transports.shm.reader import SlotReader
+from weightsync.transports.shm.slots import DEFAULT_MODEL_ID
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +188,7 @@ def _close_all(fds: list[int]) -> None:
 
 
 class _Outbox:
-    """Stands in for a worker's channel in a :class:`SharedMemTransport`: keeps the segment
+    """Stands in for a worker's channel in a :class:`SlotPublisher`: keeps the segment
     messages (their fds as a ticket of the fd server) for the next Ray call to carry to
     that actor."""
 
@@ -211,13 +214,13 @@ class _Outbox:
 
 
 class NodeLocalSender:
-    """The sender's path to actors on its own node: a :class:`SharedMemTransport` (slot pool,
+    """The sender's path to actors on its own node: a :class:`SlotPublisher` (slot pool,
     per-worker targets, tear-free reads under slot locks) whose segments the actors take
     from its fd server. A send writes one slot whatever the number of actors."""
 
     def __init__(self, max_slots: int) -> None:
         protect_sender_process()  # no other process of this user opens our fds via /proc
-        self.transport = SharedMemTransport(auto_register=True, max_slots=max_slots)
+        self.slots = SlotPublisher(max_slots=max_slots)
         self._server = _FdServer(secrets.token_hex(_TOKEN_BYTES))
         self.info = NodeLocalInfo(current_node_id(), os.getpid(), self._server.address,
                                   self._server.token)
@@ -230,30 +233,30 @@ class NodeLocalSender:
     def attach(self, worker_idx: int) -> None:
         if worker_idx not in self._outboxes:
             self._outboxes[worker_idx] = outbox = _Outbox(worker_idx, self._server)
-            self.transport.attach_worker(worker_idx, outbox, at_latest=False)  # type: ignore[arg-type]
+            self.slots.attach_worker(worker_idx, outbox, at_latest=False)  # type: ignore[arg-type]
 
     def detach(self, worker_idx: int) -> None:
         if self._outboxes.pop(worker_idx, None) is not None:
-            self.transport.detach_worker(worker_idx)
+            self.slots.detach_worker(worker_idx)
             self._server.revoke(worker_idx)
 
     def publish(self, flat: Mapping[str, torch.Tensor], worker_ids: Sequence[int], version: int,
                 timeout: float | None) -> None:
-        self.transport.publish(DEFAULT_MODEL_ID, flat, list(worker_ids), version, timeout)
+        self.slots.publish(DEFAULT_MODEL_ID, flat, list(worker_ids), version, timeout)
 
     def point_at_latest(self, worker_ids: Sequence[int]) -> None:
-        self.transport.point_at_latest(worker_ids)
+        self.slots.point_at_latest(worker_ids)
 
     def latest_buffers(self) -> dict[str, torch.Tensor]:
         """The packed buffers of the newest version (stable until two sends later)."""
-        return self.transport.latest_buffers()
+        return self.slots.latest_buffers()
 
     def messages_for(self, worker_idx: int) -> list[dict[str, Any]]:
         outbox = self._outboxes.get(worker_idx)
         return [] if outbox is None else outbox.take()
 
     def close(self) -> None:
-        self.transport.close()
+        self.slots.close()
         self._outboxes.clear()
         self._server.close()
 
@@ -266,7 +269,7 @@ class NodeLocalReceiver:
         self.worker_idx = worker_idx
         self.sender_pid = info.pid
         self.address = info.address
-        self.transport = SharedMemTransport()
+        self.slots = SlotReader()
 
     def take_messages(self, messages: Sequence[dict[str, Any]]) -> None:
         """Map the segments the sender names, redeeming each message's ticket at its fd
@@ -282,14 +285,14 @@ class NodeLocalReceiver:
                     _close_all(fds)
                     raise PermissionError(f"worker {self.worker_idx}: the sender's fd server "
                                           "refused a segment ticket")
-            self.transport.handle_message(Message(header=message["header"], fds=fds))
+            self.slots.handle_message(Message(header=message["header"], fds=fds))
 
     @property
     def layout(self) -> Layout | None:
-        return self.transport.receiver_layout(DEFAULT_MODEL_ID)
+        return self.slots.layout(DEFAULT_MODEL_ID)
 
     def published_version(self) -> int:
-        return self.transport.published_version(self.worker_idx)
+        return self.slots.published_version(self.worker_idx)
 
     def apply(self, dest: Mapping[str, torch.Tensor], held_version: int,
               deadline: Deadline) -> int | None:
@@ -299,9 +302,9 @@ class NodeLocalReceiver:
         if self.layout is None:
             return None
         try:
-            return self.transport.apply_latest(self.worker_idx, dest, held_version, deadline)
+            return self.slots.apply_latest(self.worker_idx, dest, held_version, deadline)
         except WeightSyncTimeoutError:  # its slot's handle has not come yet: next time
             return None
 
     def close(self) -> None:
-        self.transport.close()
+        self.slots.close()

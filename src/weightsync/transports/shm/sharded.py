@@ -79,7 +79,7 @@ class RankZeroWriter:
             lead.meet(layout, describe_regions(pieces), version, deadline)
             with inner.members.joining:
                 reachable, lost = inner.members.reachable(requested)
-                inner.transport.publish_whole(
+                inner.slots.publish_whole(
                     DEFAULT_MODEL_ID, layout, [w for w, _ in reachable], version, deadline,
                     fill, self._hand_out, self._usable)
         except BaseException as exc:

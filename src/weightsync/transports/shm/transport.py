@@ -1,53 +1,42 @@
-"""SharedMemTransport: weights in shared memory, copied in and out tear-free.
+"""``SharedMemTransport``: TorchRL's shared-memory transport API, as an adapter at the edge.
 
-The sender keeps a small pool of slots, each a full packed copy of the weights in a
-shared segment (a CUDA buffer shared by CUDA IPC for GPU tensors). A send takes a slot no
-worker uses, points the chosen workers at it through a shared control block and packs the
-weights there piece by piece (``shm.slots``). A worker applies a version at its own call by
-copying its slot into its model, following the pack if it is still running, or by viewing
-a completely packed slot (zero-copy), under a shared ``fcntl`` lock on that slot, which the
-sender's exclusive lock respects and which the kernel drops if the worker dies
-(``shm.apply``). Segments and slot handles travel lazily over the workers' pipes on the
-first send, so workers may start before any weights exist.
-
-The receiver side's methods are in ``transport_receiver.py``, mixed into the class here.
+This module exists for TorchRL's transport API (``register_pipe``, ``register_weights``,
+``send_weights``, ``receive_weights``, ``setup_connection_and_weights_on_sender`` /
+``setup_connection_and_weights_on_receiver``, ``check_ack``), the
+:class:`~weightsync.transports.base.TransportBackend` protocol. It is not on the data path
+of :class:`~weightsync.schemes.shm.SharedMemWeightSyncScheme`: its ends
+(``shm.endpoints``) publish through :class:`~weightsync.transports.shm.publisher.SlotPublisher`
+and read through :class:`~weightsync.transports.shm.reader.SlotReader`, and this class
+composes the same two, adding what TorchRL's API needs and the scheme does not: pipes
+registered by the caller, weights in any form TorchRL passes (flattened and checked here),
+version numbers counted per model, and a worker's pipe read by the caller's thread (no
+scheme, no reader thread: the *pipe flow* below reads the sender's segment messages
+whenever the worker looks for weights).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncTimeoutError
 from weightsync.core.layout import Layout
-from weightsync.core.strategy import flat_tensors
+from weightsync.core.strategy import WeightStrategy, flat_tensors
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local.channel import Channel, ChannelClosed, ChannelTimeout
-from weightsync.transports.memory.dumpable import protect_sender_process
-from weightsync.transports.shm.slots import (
-    _IDX_LATEST,
-    _MAX_WORKERS,
-    DEFAULT_MODEL_ID,
-    _SenderModel,
-    _Slot,
-    _unpack_target,
-)
-from weightsync.transports.shm.transport_receiver import _ReceiverSide
-from weightsync.transports.shm.worker_slots import _ReceiverModel
+from weightsync.transports.local.channel import Channel, ChannelClosed
+from weightsync.transports.shm.publisher import SlotPublisher
+from weightsync.transports.shm.reader import Pump, SlotReader
+from weightsync.transports.shm.slots import DEFAULT_MODEL_ID
 
 __all__ = ["DEFAULT_MODEL_ID", "SharedMemTransport"]
 
-logger = logging.getLogger(__name__)
 
-
-class SharedMemTransport(_ReceiverSide):
-    """Shared-memory weight transport for processes on one host.
+class SharedMemTransport:
+    """Shared-memory weight transport for processes on one host, with TorchRL's API.
 
     Sender side: ``register_pipe`` each worker's pipe, then ``send_weights(model_id, w)``;
     the first send of a model creates its shared slots and passes them to the workers.
@@ -56,6 +45,10 @@ class SharedMemTransport(_ReceiverSide):
 
     Unlike TorchRL's in-place update, workers do not see writes as they happen: a worker
     takes a new version only when it calls ``receive_weights`` (tear-free, see docs/contract.md).
+
+    One object serves either side, as TorchRL's does: ``publisher`` holds the sender's
+    slots and the registered pipes, ``reader`` a worker's mappings; the side not in use
+    holds nothing.
     """
 
     def __init__(
@@ -66,51 +59,32 @@ class SharedMemTransport(_ReceiverSide):
         max_slots: int | None = None, grow_for_views: bool | None = None,
     ) -> None:
         self.auto_register = auto_register
-        self._max_slots = max_slots
-        # the default pool makes room for the slot each zero-copy worker views
-        self._grow_for_views = max_slots is None if grow_for_views is None else grow_for_views
-        self._lock = threading.RLock()
-        self._channels: dict[int, Channel] = {}
-        self._models: dict[str, _SenderModel] = {}
-        # receiver side
-        self._worker_idx: int | None = None
-        self._receiver_models: dict[str, _ReceiverModel] = {}
-        self._receiver_versions: dict[str, int] = {}
-        self._sender_gone = False
-        self._adopts = False  # this receiver adopts views (zero-copy): see published_version
-        self._slot_arrived = threading.Condition(self._lock)
-        self._owner_pid = os.getpid()
+        #: the sender's side (a receiver's pipe to its sender is registered here too, as
+        #: TorchRL's ``register_pipe`` does not say which side it is on)
+        self.publisher = SlotPublisher(max_slots, grow_for_views)
+        #: the worker's side
+        self.reader = SlotReader()
+        self._pipes: list[Channel] = []
+        self._lock = threading.Lock()  # a pipe's index; a send's version check and publish
+        self._received: dict[str, int] = {}  # model id -> the version this worker applied
         for model_id, weights in (policy_weights or {}).items():
             self.register_weights(model_id, weights)
 
     # ================================================================== sender side
     def register_pipe(self, pipe: Any) -> None:
         """Add a worker's pipe (sender side) or the pipe to the sender (receiver side)."""
+        channel = Channel.from_pipe(pipe)
         with self._lock:
-            self.attach_worker(len(self._channels), Channel.from_pipe(pipe))
+            self._pipes.append(channel)
+            self.publisher.attach_worker(len(self.publisher.workers), channel)
 
     def attach_worker(self, worker_idx: int, channel: Channel, *, at_latest: bool = True) -> None:
-        """Give worker ``worker_idx`` every shared segment, and (``at_latest``) point it at
-        the newest version of each model. Used for first connections and restarts alike."""
-        if not 0 <= worker_idx < _MAX_WORKERS:
-            raise ValueError(f"worker_idx must be in [0, {_MAX_WORKERS}), got {worker_idx}")
-        with self._lock:
-            self._channels[worker_idx] = channel
-            for model_id, model in self._models.items():
-                model.forget_worker(worker_idx)
-                if not self._announce_model(worker_idx, model_id, model, channel):
-                    return
-                if at_latest:
-                    model.set_target(worker_idx, model.ctrl[_IDX_LATEST])
+        """Give worker ``worker_idx`` every shared segment (see ``SlotPublisher``)."""
+        self.publisher.attach_worker(worker_idx, channel, at_latest=at_latest)
 
     def detach_worker(self, worker_idx: int) -> None:
         """Forget a worker (it died or left): its slot stops counting as in use."""
-        with self._lock:
-            self._channels.pop(worker_idx, None)
-            for model in self._models.values():
-                model.set_target(worker_idx, -1)
-                model.take_back_opened(worker_idx)  # a dead CUDA worker's slots
-                model.forget_worker(worker_idx)
+        self.publisher.detach_worker(worker_idx)
 
     def register_weights(self, model_id: str, weights: Any) -> None:
         """Create the shared slots for ``model_id`` from ``weights`` and publish them as its
@@ -118,35 +92,30 @@ class SharedMemTransport(_ReceiverSide):
         attach."""
         flat = self._flatten(weights)
         with self._lock:
-            if model_id in self._models:
+            if self.publisher.layout(model_id) is not None:
                 raise ValueError(f"model {model_id!r} is already registered")
-            self.publish(model_id, flat, None, 0, None)
+            self.publisher.publish(model_id, flat, None, 0, None)
 
-    def _create_model(self, model_id: str, layout: Layout,
-                      before_seal: Callable[[_Slot], None] | None = None) -> _SenderModel:
-        protect_sender_process()  # before the first segment: see ``dumpable``
-        max_slots = self._max_slots or max(len(self._channels), 1) + 2
-        model = _SenderModel(layout, max(2, max_slots), self._grow_for_views)
-        model.before_seal = before_seal
-        model.new_slot()
-        model.new_slot()
-        self._models[model_id] = model
-        for worker_idx, channel in list(self._channels.items()):
-            self._announce_model(worker_idx, model_id, model, channel)
-        return model
-
-    def _announce_model(self, worker_idx: int, model_id: str, model: _SenderModel,
-                        channel: Channel) -> bool:
-        """Pass a worker a model's segments; a worker that hung up meanwhile (it refused the
-        layout, or died) is detached here and reported by the hub with its reason."""
-        try:
-            model.announce(model_id, channel, worker_idx)
-            return True
-        except (ChannelClosed, TimeoutError) as exc:
-            logger.info("worker %d hung up before taking model %r (%s); detaching it",
-                        worker_idx, model_id, exc)
-            self.detach_worker(worker_idx)
-            return False
+    def send_weights(
+        self, model_id: str, weights: Any, *, worker_ids: Iterable[int] | None = None,
+        version: int | None = None, timeout: float | None = 10.0,
+    ) -> int:
+        """Publish ``weights`` as the next version of ``model_id`` to ``worker_ids`` (all
+        attached workers by default) and return that version. The weights are copied now:
+        later writes to them reach nobody until the next send."""
+        flat = self._flatten(weights)
+        with self._lock:
+            layout = self.publisher.layout(model_id)
+            if layout is None and not self.auto_register:
+                raise KeyError(
+                    f"model {model_id!r} is not registered and auto_register=False; call "
+                    "register_weights first"
+                )
+            if layout is not None:
+                layout.check_weights(flat, given_by=f"the weights sent for {model_id!r}")
+            new_version = self.publisher.version(model_id) + 1 if version is None else version
+            self.publisher.publish(model_id, flat, worker_ids, new_version, timeout)
+            return new_version
 
     @staticmethod
     def _flatten(weights: Any) -> dict[str, torch.Tensor]:
@@ -158,117 +127,14 @@ class SharedMemTransport(_ReceiverSide):
     def applied_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
         """Sender side: the version the worker last applied, as it wrote it into the
         control block (acks through shared memory wake no thread of the trainer)."""
-        model = self._models.get(model_id)
-        return NO_VERSION if model is None else model.applied(worker_idx)
+        return self.publisher.applied_version(worker_idx, model_id)
 
     def layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
-        model = self._models.get(model_id)
-        return None if model is None else model.layout
-
-    def send_weights(
-        self, model_id: str, weights: Any, *, worker_ids: Iterable[int] | None = None,
-        version: int | None = None, timeout: float | None = 10.0,
-    ) -> int:
-        """Publish ``weights`` as the next version of ``model_id`` to ``worker_ids`` (all
-        attached workers by default) and return that version. The weights are copied now:
-        later writes to them reach nobody until the next send."""
-        flat = self._flatten(weights)
-        with self._lock:
-            model = self._models.get(model_id)
-            if model is None and not self.auto_register:
-                raise KeyError(
-                    f"model {model_id!r} is not registered and auto_register=False; call "
-                    "register_weights first"
-                )
-            if model is not None:
-                model.layout.check_weights(flat, given_by=f"the weights sent for {model_id!r}")
-            new_version = (model.version + 1 if model else 0) if version is None else version
-            self.publish(model_id, flat, worker_ids, new_version, timeout)
-            return new_version
-
-    def publish(
-        self, model_id: str, flat: Mapping[str, torch.Tensor], worker_ids: Iterable[int] | None,
-        version: int, timeout: float | None,
-    ) -> None:
-        """Write already-checked flat weights as ``version`` for ``worker_ids`` (None: every
-        attached worker), creating the model's slots on first use. The schemes call this
-        after their own validation, so a send checks its input once. The version is
-        published in a free slot, then packed there piece by piece (``shm.slots``)."""
-        deadline = Deadline(timeout)
-        with self._lock:
-            model = self._models.get(model_id) or self._create_model(
-                model_id, Layout.from_weights(flat))
-            ids = list(self._channels) if worker_ids is None else list(worker_ids)
-            slot = model.acquire_free_slot(list(self._channels), deadline, model_id,
-                                           lambda new: self._announce_slot(model_id, model, new, deadline))
-            model.write(flat, slot, ids, version, lambda: self._wake_waiting(model, ids, version))
-
-    def publish_whole(
-        self, model_id: str, layout: Layout, worker_ids: Iterable[int] | None, version: int,
-        deadline: Deadline, fill: Callable[[_Slot], None], hand_out: Callable[[_Slot], None],
-        usable: Callable[[_Slot], bool],
-    ) -> None:
-        """Publish ``version`` once ``fill`` wrote a whole free slot (a sharded trainer:
-        ``shm/sharded.py``). ``hand_out`` gives each new slot to the other writers before
-        it is sealed; a slot that is not ``usable`` (a writer that rejoined never mapped
-        it) is retired and another taken."""
-        with self._lock:
-            model = self._models.get(model_id) or self._create_model(model_id, layout, hand_out)
-            ids = list(self._channels) if worker_ids is None else list(worker_ids)
-            while True:
-                slot = model.acquire_free_slot(
-                    list(self._channels), deadline, model_id,
-                    lambda new: self._announce_slot(model_id, model, new, deadline))
-                if usable(slot):
-                    break
-                model.retire(slot)
-                for channel in list(self._channels.values()):
-                    with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
-                        channel.send_nowait({"t": "shm.retire", "model_id": model_id,
-                                             "index": slot.index})
-            model.write_whole(slot, ids, version, fill,
-                              lambda: self._wake_waiting(model, ids, version))
-
-    def _wake_waiting(self, model: _SenderModel, worker_ids: list[int], version: int) -> None:
-        """Wake the targets blocked in ``receive()`` (after the pack; for a large model also
-        before it): all at once through the control block's ring word, or where there is no
-        futex, a notice to each that is waiting now (its flag lowered until it waits again)."""
-        if model.ring is not None:
-            model.ring.raise_and_wake()
-            return
-        for w in worker_ids:
-            channel = self._channels.get(w)
-            if channel is None or not model.waiting(w):
-                continue
-            model.stop_waiting(w)
-            with contextlib.suppress(ChannelClosed, ChannelTimeout, OSError):
-                channel.send_nowait({"t": "version", "v": version})
-
-    def _announce_slot(self, model_id: str, model: _SenderModel, slot: _Slot,
-                       deadline: Deadline) -> None:
-        header, fds = model.slot_message(slot, model_id)
-        for w, channel in list(self._channels.items()):
-            try:
-                channel.send(header, fds=fds, timeout=deadline.slice(10.0))
-            except (ChannelClosed, TimeoutError):
-                logger.warning("worker %d did not take a new slot; detaching it", w)
-                self.detach_worker(w)
-
-    def point_at_latest(self, worker_ids: Iterable[int], model_id: str = DEFAULT_MODEL_ID) -> None:
-        """Point these workers at the newest version (a worker brought in between sends)."""
-        with self._lock:
-            model = self._models[model_id]
-            for w in worker_ids:
-                model.set_target(w, model.ctrl[_IDX_LATEST])
-
-    def latest_buffers(self, model_id: str = DEFAULT_MODEL_ID) -> dict[str, torch.Tensor]:
-        """The buffers of the newest version's slot: stable while it is the newest or a
-        worker's target, so another path (a broadcast) may send from them meanwhile."""
-        model = self._models[model_id]
-        return model.slots[_unpack_target(model.ctrl[_IDX_LATEST])[1]].buffers
+        """Sender side: the layout ``model_id`` was registered or first sent with."""
+        return self.publisher.layout(model_id)
 
     def check_ack(self, message: str = "updated") -> None:
-        """No-op: the scheme confirms delivery with its own acks."""
+        """No-op: a published version is delivered (workers take it at their next call)."""
 
     def send_ack(self, message: str = "updated") -> None:
         """No-op."""
@@ -276,27 +142,99 @@ class SharedMemTransport(_ReceiverSide):
     def setup_connection_and_weights_on_sender(self) -> None:
         """Nothing to do: segments are passed lazily on the first send."""
 
+    # ================================================================== receiver side
+    def setup_connection_and_weights_on_receiver(
+        self, *, worker_idx: int, weights: Any = None, model: Any = None,
+        strategy: WeightStrategy | None = None, timeout: float | None = 60.0,
+        model_id: str = DEFAULT_MODEL_ID,
+    ) -> Any:
+        """Wait for the sender's segments and first version, apply it to ``model`` (or
+        ``weights``), and return the weights as ``strategy`` extracts them."""
+        self.reader.worker_idx = worker_idx
+        deadline = Deadline(timeout)
+        self.reader.wait_for_model(model_id, deadline, pump=self._pump)
+        while self.reader.published_version(worker_idx, model_id) < 0:
+            if deadline.expired():
+                raise WeightSyncTimeoutError(f"worker {worker_idx}: no version within {deadline}")
+            self._pump(deadline.slice(0.01))
+        return self._apply_newest(worker_idx, weights if model is None else model, strategy,
+                                  deadline, model_id)
+
+    def receive_weights(
+        self, timeout: float | None = 1.0, *, weights: Any = None, model: Any = None,
+        strategy: WeightStrategy | None = None, model_id: str = DEFAULT_MODEL_ID,
+    ) -> Any | None:
+        """Apply the newest version to ``model`` (or ``weights``) if there is a newer one and
+        return the applied weights; otherwise return None at once (TorchRL's receive is a
+        no-op that never blocks). ``timeout`` bounds the wait for a slot still in transit."""
+        worker_idx = self.reader.worker_idx
+        if worker_idx is None:
+            raise RuntimeError("call setup_connection_and_weights_on_receiver first")
+        return self._apply_newest(worker_idx, weights if model is None else model, strategy,
+                                  Deadline(timeout), model_id)
+
+    def _apply_newest(self, worker_idx: int, target: Any, strategy: WeightStrategy | None,
+                      deadline: Deadline, model_id: str) -> Any | None:
+        """Apply the newest version to ``target`` if newer than the one it holds; the weights
+        as ``strategy`` extracts them, or None if there was nothing newer."""
+        if target is None:
+            raise ValueError("receive_weights needs a model or a weights buffer to write into")
+        self._pump(0.0)
+        dest = flat_tensors(target, what="receive_weights destination")
+        held = self._received.get(model_id, NO_VERSION)
+        applied = self.reader.apply_latest(worker_idx, dest, held, deadline, model_id,
+                                           pump=self._pump)
+        if applied is None:
+            return None
+        self._received[model_id] = applied
+        return (strategy or WeightStrategy()).extract_weights(target)
+
+    def _pump(self, timeout: float) -> None:
+        """The pipe flow: take every segment message waiting on the pipe to the sender (for
+        up to ``timeout`` for the first), in the caller's thread."""
+        if not self._pipes:
+            return
+        channel = self._pipes[0]
+        while channel.readable(timeout):
+            try:
+                message = channel.recv(timeout=5.0)
+            except ChannelClosed:
+                self.reader.mark_sender_lost()
+                return
+            self.reader.handle_message(message)
+            timeout = 0.0
+
+    def wait_for_model(self, model_id: str, deadline: Deadline, pump: Pump | None = None) -> Layout:
+        """Receiver side: block until the sender has announced ``model_id``."""
+        return self.reader.wait_for_model(model_id, deadline, pump)
+
+    def published_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
+        """Receiver side: the newest version this worker can take now (-1: none yet)."""
+        return self.reader.published_version(worker_idx, model_id)
+
+    def sender_closed(self, model_id: str = DEFAULT_MODEL_ID) -> bool:
+        """Receiver side: has the sender closed? A worker looping on ``receive_weights`` can
+        stop on it."""
+        return self.reader.sender_closed(model_id)
+
+    def apply_latest(
+        self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
+        deadline: Deadline, model_id: str = DEFAULT_MODEL_ID, pump: Pump | None = None,
+    ) -> int | None:
+        """Receiver side: copy the newest version into ``dest`` (``SlotReader.apply_latest``)."""
+        return self.reader.apply_latest(worker_idx, dest, held_version, deadline, model_id, pump)
+
+    def adopt_latest(
+        self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
+        deadline: Deadline, model_id: str = DEFAULT_MODEL_ID,
+    ) -> int | None:
+        """Receiver side: zero-copy apply (``SlotReader.adopt_latest``)."""
+        return self.reader.adopt_latest(worker_idx, dest, held_version, deadline, model_id)
+
     # ================================================================== both
     def close(self) -> None:
-        """Release every segment this transport holds (sender or receiver side). In a
-        process forked from the owner, only this copy's references are dropped: the shared
-        control block (which tells workers the sender closed) is left alone."""
-        if os.getpid() != self._owner_pid:
-            self._models.clear()
-            self._receiver_models.clear()
-            self._channels.clear()
-            return
-        with self._lock:
-            for model in self._models.values():
-                model.close()
-            self._models.clear()
-            for rmodel in self._receiver_models.values():
-                rmodel.close()
-            self._receiver_models.clear()
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+        """Release every segment and pipe this transport holds (sender or receiver side). In
+        a process forked from the owner, only this copy's references are dropped."""
+        self.reader.close()
+        self.publisher.close()  # and the pipes: they are its workers' channels
+        self._pipes.clear()

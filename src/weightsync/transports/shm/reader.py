@@ -1,22 +1,32 @@
-"""The receiver (worker) side of ``SharedMemTransport``: segment messages taken in, the newest
-version copied or adopted from its slot; mixed into the transport in ``transport.py``."""
+"""The SharedMem worker's data path: the sender's segments mapped, the newest version copied
+or adopted from its slot.
+
+The sender's segment messages (``shm.model``, ``shm.slot``, ``shm.retire``) are taken in
+as they arrive; a worker applies a version at its own call by copying its slot into its
+model, following the pack if it is still running, or by viewing a completely packed slot
+(zero-copy), under a shared ``fcntl`` lock on that slot, which the sender's exclusive lock
+respects and which the kernel drops if the worker dies (``shm.apply``).
+
+:class:`SlotReader` is what :class:`~weightsync.transports.shm.endpoints.SharedMemReader`
+(and the Ray scheme's node-local path) read through; TorchRL's ``SharedMemTransport``
+(``shm.transport``) is an adapter over it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import SenderLostError, WeightSyncTimeoutError
 from weightsync.core.layout import Layout
-from weightsync.core.strategy import WeightStrategy
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.local.channel import Channel, Message
+from weightsync.transports.local.channel import Message
 from weightsync.transports.memory.futex import FutexWord
-from weightsync.transports.shm import standalone
 from weightsync.transports.shm.apply import adopt_newest, copy_newest
 from weightsync.transports.shm.slots import (
     _ACK_APPLIED,
@@ -29,29 +39,36 @@ from weightsync.transports.shm.slots import (
 )
 from weightsync.transports.shm.worker_slots import _ReceiverModel
 
+__all__ = ["Pump", "SlotReader"]
 
-class _ReceiverSide:
-    """The receiver-side methods of ``SharedMemTransport`` (its state: ``__init__``, in
-    ``transport.py``)."""
+#: reads pending segment messages for up to the given seconds, where no background thread
+#: reads the channel (TorchRL's pipe flow)
+Pump = Callable[[float], None]
 
-    _lock: threading.RLock
-    _channels: dict[int, Channel]
-    _worker_idx: int | None
-    _receiver_models: dict[str, _ReceiverModel]
-    _receiver_versions: dict[str, int]
-    _sender_gone: bool
-    _adopts: bool
-    _slot_arrived: threading.Condition
+
+class SlotReader:
+    """A worker's mappings of the sender's segments (one set per model id)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        #: the worker this reader applies for, once known: a slot that arrives while the
+        #: worker is idle is counted as opened by it at once (CUDA slots)
+        self.worker_idx: int | None = None
+        self._models: dict[str, _ReceiverModel] = {}
+        self._sender_gone = False
+        self._adopts = False  # this worker adopts views (zero-copy): see published_version
+        self._slot_arrived = threading.Condition(self._lock)
+        self._owner_pid = os.getpid()
 
     def ring(self, model_id: str = DEFAULT_MODEL_ID) -> FutexWord | None:
-        """Receiver side: the word a worker blocked in ``receive()`` sleeps on (None: no
-        model yet, or no futex here)."""
-        model = self._receiver_models.get(model_id)
+        """The word a worker blocked in ``receive()`` sleeps on (None: no model yet, or no
+        futex here)."""
+        model = self._models.get(model_id)
         return None if model is None else model.ring
 
     def set_waiting(self, worker_idx: int, waiting: bool, model_id: str = DEFAULT_MODEL_ID) -> None:
-        """Receiver side: announce that this worker blocks until a notice comes."""
-        model = self._receiver_models.get(model_id)
+        """Announce that this worker blocks until a notice comes."""
+        model = self._models.get(model_id)
         if model is not None:
             model.ack[_ACK_WAITING] = 1 if waiting else 0
 
@@ -61,54 +78,54 @@ class _ReceiverSide:
         with self._lock:
             if kind == "shm.model":
                 model_id = message.header["model_id"]
-                old = self._receiver_models.pop(model_id, None)
+                old = self._models.pop(model_id, None)
                 if old is not None:
                     old.close()
                 layout = Layout.from_dict(message.header["layout"])
-                self._receiver_models[model_id] = _ReceiverModel(layout, message.fds[0],
-                                                                 message.fds[1])
+                self._models[model_id] = _ReceiverModel(layout, message.fds[0], message.fds[1])
             elif kind == "shm.retire":  # a free slot the sender let go for good
-                self._receiver_models[message.header["model_id"]].drop_slot(
-                    int(message.header["index"]))
+                self._models[message.header["model_id"]].drop_slot(int(message.header["index"]))
             elif kind == "shm.slot":
-                model = self._receiver_models[message.header["model_id"]]
+                model = self._models[message.header["model_id"]]
                 model.add_slot(message)
-                if self._worker_idx is not None:  # a slot opened while idle counts at once
-                    model.record_opened(self._worker_idx)
+                if self.worker_idx is not None:  # a slot opened while idle counts at once
+                    model.record_opened(self.worker_idx)
             else:
                 return False
             self._slot_arrived.notify_all()
             return True
 
     def mark_sender_lost(self) -> None:
+        """The sender's channel hung up: waits for a model end with ``SenderLostError``."""
         with self._lock:
             self._sender_gone = True
             self._slot_arrived.notify_all()
 
-    def receiver_layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
-        model = self._receiver_models.get(model_id)
+    def layout(self, model_id: str = DEFAULT_MODEL_ID) -> Layout | None:
+        """The layout the sender announced for ``model_id`` (None: not yet)."""
+        model = self._models.get(model_id)
         return None if model is None else model.layout
 
-    def wait_for_model(self, model_id: str, deadline: Deadline, pump: Any = None) -> Layout:
+    def wait_for_model(self, model_id: str, deadline: Deadline, pump: Pump | None = None) -> Layout:
         """Block until the sender has announced ``model_id``; ``pump`` reads the channel
         when no background thread does."""
         with self._lock:
-            while model_id not in self._receiver_models:
+            while model_id not in self._models:
                 if self._sender_gone:
                     raise SenderLostError("the sender closed before sending any weights")
                 if deadline.expired():
                     raise WeightSyncTimeoutError(
-                        f"worker {self._worker_idx}: no weights for model {model_id!r} within "
+                        f"worker {self.worker_idx}: no weights for model {model_id!r} within "
                         f"{deadline}"
                     )
                 self._wait_for_slot(deadline, pump)
-            return self._receiver_models[model_id].layout
+            return self._models[model_id].layout
 
     def published_version(self, worker_idx: int, model_id: str = DEFAULT_MODEL_ID) -> int:
         """The newest version this worker can take now (-1: none yet): the one the sender
         points it at, which a copying worker may take while it is still being packed; a
         worker that adopts views (zero-copy) gets the one it holds until that is whole."""
-        model = self._receiver_models.get(model_id)
+        model = self._models.get(model_id)
         if model is None:
             return NO_VERSION
         packed = model.ctrl[_HEADER_WORDS + worker_idx]
@@ -120,21 +137,20 @@ class _ReceiverSide:
         return version
 
     def sender_closed(self, model_id: str = DEFAULT_MODEL_ID) -> bool:
-        """Receiver side: has the sender closed (its pipe, or the model's control block says
-        so)? A worker looping on ``receive_weights`` can stop on it."""
-        model = self._receiver_models.get(model_id)
+        """Has the sender closed (its channel, or the model's control block says so)?"""
+        model = self._models.get(model_id)
         return self._sender_gone or (model is not None and model.ctrl[_IDX_CLOSED] == 1)
 
     def apply_latest(
         self, worker_idx: int, dest: Mapping[str, torch.Tensor], held_version: int,
-        deadline: Deadline, model_id: str = DEFAULT_MODEL_ID, pump: Any = None,
+        deadline: Deadline, model_id: str = DEFAULT_MODEL_ID, pump: Pump | None = None,
     ) -> int | None:
         """Copy the newest version published for ``worker_idx`` into ``dest`` if it is newer
         than ``held_version``; returns it, or None if there is nothing newer (or its slot's
         handle has not arrived by ``deadline``). A version still being packed is copied as
         the sender packs it (see ``shm.apply``): the call lasts about one copy either way."""
-        model = self._receiver_models[model_id]
-        self._worker_idx = worker_idx
+        model = self._models[model_id]
+        self.worker_idx = worker_idx
         model.record_opened(worker_idx)
         return copy_newest(model, worker_idx, dest, held_version,
                            deadline, lambda d: self._wait_for_slot(d, pump))
@@ -147,13 +163,13 @@ class _ReceiverSide:
         into the newest slot published for ``worker_idx``, if newer than ``held_version`` and
         completely packed by ``deadline`` (see ``shm.apply.adopt_newest``)."""
         self._adopts = True  # from now on, a version still being packed is not "published"
-        model = self._receiver_models[model_id]
-        self._worker_idx = worker_idx
+        model = self._models[model_id]
+        self.worker_idx = worker_idx
         model.record_opened(worker_idx)
         return adopt_newest(model, worker_idx, dest, held_version,
                             deadline, lambda d: self._wait_for_slot(d, None))
 
-    def _wait_for_slot(self, deadline: Deadline, pump: Any) -> None:
+    def _wait_for_slot(self, deadline: Deadline, pump: Pump | None) -> None:
         """Wait a little for a segment message still on its way (read by ``pump`` when no
         background thread reads the channel). The lock is reentrant: callers may hold it."""
         with self._lock:
@@ -166,35 +182,23 @@ class _ReceiverSide:
             else:
                 self._slot_arrived.wait(deadline.slice(0.05))
 
-    def setup_connection_and_weights_on_receiver(
-        self, *, worker_idx: int, weights: Any = None, model: Any = None,
-        strategy: WeightStrategy | None = None, timeout: float | None = 60.0,
-        model_id: str = DEFAULT_MODEL_ID,
-    ) -> Any:
-        """Wait for the sender's segments and first version, apply it to ``model`` (or
-        ``weights``), and return the weights as ``strategy`` extracts them."""
-        self._worker_idx = worker_idx
-        return standalone.first_weights(self, worker_idx, weights if model is None else model,
-                                        strategy, Deadline(timeout), model_id)
-
-    def receive_weights(
-        self, timeout: float | None = 1.0, *, weights: Any = None, model: Any = None,
-        strategy: WeightStrategy | None = None, model_id: str = DEFAULT_MODEL_ID,
-    ) -> Any | None:
-        """Apply the newest version to ``model`` (or ``weights``) if there is a newer one and
-        return the applied weights; otherwise return None at once (TorchRL's receive is a
-        no-op that never blocks). ``timeout`` bounds the wait for a slot still in transit."""
-        if self._worker_idx is None:
-            raise RuntimeError("call setup_connection_and_weights_on_receiver first")
-        return standalone.newest_weights(self, self._worker_idx, weights if model is None else model,
-                                         strategy, Deadline(timeout), model_id)
-
-    def _pump(self, timeout: float) -> None:
-        """Read pending segment messages from the sender (standalone receiver use)."""
-        standalone.pump(self, self._channels.get(0), timeout)
-
     def forget_opened(self) -> None:
-        """Receiver side, at a clean close and before saying goodbye: this worker releases
-        its CUDA slots itself, so the sender must not take their counts back for it."""
-        for rmodel in self._receiver_models.values():
-            rmodel.forget_opened()
+        """At a clean close and before saying goodbye: this worker releases its CUDA slots
+        itself, so the sender must not take their counts back for it."""
+        for model in self._models.values():
+            model.forget_opened()
+
+    def close(self) -> None:
+        """Unmap every segment. In a process forked from the owner, only this copy's
+        references are dropped."""
+        if os.getpid() != self._owner_pid:
+            self._models.clear()
+            return
+        with self._lock:
+            for model in self._models.values():
+                model.close()
+            self._models.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
