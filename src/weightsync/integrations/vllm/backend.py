@@ -57,20 +57,8 @@ from weightsync.core.errors import (
 from weightsync.core.shards import sharded_flat
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
+from weightsync.integrations.vllm.lora_routes import LOAD_MODES, load_on_server
 from weightsync.integrations.vllm.plugin import register
-from weightsync.integrations.vllm.remote import (
-    HostReceiver,
-    host_name,
-    request_key,
-    staging_directory,
-    wait_staged,
-)
-from weightsync.integrations.vllm.served_adapters import (
-    LOAD_MODES,
-    AdapterFiles,
-    load_on_server,
-    version_path,
-)
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
@@ -78,6 +66,14 @@ from weightsync.schemes.double_buffer import (
 )
 from weightsync.schemes.lora import LoraAdapter, check_adapter_name
 from weightsync.schemes.ranks import MAX_TRAINER_RANKS, checked_trainer_ranks, trainer_rank
+from weightsync.serving.adapter_files import AdapterFiles, version_path
+from weightsync.serving.host_receiver import (
+    HostReceiver,
+    host_name,
+    request_key,
+    staging_directory,
+    wait_staged,
+)
 from weightsync.transports.delta.codec import check_available as check_delta_available
 from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import PackedVersion, plan
@@ -489,7 +485,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     ``send_weights()``; each server's host keeps the newest ``adapter_keep`` versions' files
     in a private directory under ``adapter_root`` (a directory on the servers' hosts);
     ``adapter_load``: how the name moves to each version, ``"inplace"`` or ``"swap"``
-    (``served_adapters.load_on_server``)."""
+    (``lora_routes.load_on_server``)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = ""
