@@ -290,6 +290,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        """Load the version ``update_info`` names (None: the newest committed, on the
+        directory path), once its trainer session is checked (``ServerSessions.check``)."""
         self.sessions.check(update_info.session, update_info.version)
         if self.adapter is not None:
             self._receive_adapter(update_info.version, update_info.timeout)
