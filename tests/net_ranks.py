@@ -61,7 +61,7 @@ class StagingClient:
     ``directory``, as a server host's receiver does."""
 
     def __init__(self, directory: Any, timeout: float) -> None:
-        from weightsync.integrations.vllm.remote import HostReceiver
+        from weightsync.serving.host_receiver import HostReceiver
 
         self.host = HostReceiver(directory, 1, "fake-server", timeout)
         self.timeout = timeout
@@ -82,7 +82,7 @@ class StagingClient:
         pass
 
     def _stage(self, want: int | None) -> None:
-        from weightsync.integrations.vllm.remote import request_key
+        from weightsync.serving.host_receiver import request_key
 
         addresses = self.info.get("addresses") or self.info["address"]
         local = self.host.stage(addresses, self.info["token"], want, request_key("k", str(want)),

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 import weightsync as ws
 from weightsync.core.errors import AdapterRankError, UnsafeDirectoryError, WeightSyncError
-from weightsync.integrations.vllm.served_adapters import AdapterFiles, load_on_server, version_path
+from weightsync.integrations.vllm.lora_routes import load_on_server
+from weightsync.serving.adapter_files import AdapterFiles, version_path
 
 pytest.importorskip("peft")
 

@@ -17,8 +17,8 @@ import torch
 from pidns import Namespaces, pid_namespaces_usable
 
 from weightsync.core.errors import SchemaMismatchError, UnsafeDirectoryError
-from weightsync.integrations.vllm.remote import HostReceiver, request_key
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
+from weightsync.serving.host_receiver import HostReceiver, request_key
 from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import pack
 from weightsync.transports.net.publisher import VersionPublisher

@@ -27,7 +27,7 @@ from vllm_lora_serve import (
 from vllm_server import VLLMServer, greedy, serve_tiny_llama
 
 from weightsync.core.errors import BaseWeightChangedError
-from weightsync.integrations.vllm.served_adapters import AdapterFiles
+from weightsync.serving.adapter_files import AdapterFiles
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -20,8 +20,8 @@ from sharded_ranks import free_port
 
 import weightsync as ws
 from weightsync.core.deadline import Deadline
-from weightsync.integrations.vllm.remote import HostReceiver, request_key
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
+from weightsync.serving.host_receiver import HostReceiver, request_key
 from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.sharded import NetRankLead, NetRankMember, board_address, host_token
 

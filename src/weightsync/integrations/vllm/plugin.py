@@ -6,6 +6,7 @@ engine classes are registered by module path: vLLM imports them only when select
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -17,7 +18,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 BACKEND = "weightsync"
-_MODULE = "weightsync.integrations.vllm.backend"
+#: each side's engine class, by module path (vLLM imports the module when it is selected)
+_WORKER_ENGINE = ("weightsync.integrations.vllm.worker_engine", "WeightSyncWeightTransferEngine")
+_TRAINER_ENGINE = ("weightsync.integrations.vllm.trainer_engine", "WeightSyncTrainerEngine")
 #: the vLLM module that holds the weight-transfer factories
 FACTORY_MODULE = "vllm.distributed.weight_transfer.factory"
 
@@ -29,12 +32,10 @@ def register() -> None:
         WeightTransferTrainerFactory,
     )
 
-    for factory, class_name in ((WeightTransferEngineFactory, "WeightSyncWeightTransferEngine"),
-                                (WeightTransferTrainerFactory, "WeightSyncTrainerEngine")):
-        try:
-            factory.register_engine(BACKEND, _MODULE, class_name)
-        except ValueError:  # already registered in this process
-            continue
+    with contextlib.suppress(ValueError):  # already registered in this process
+        WeightTransferEngineFactory.register_engine(BACKEND, *_WORKER_ENGINE)
+    with contextlib.suppress(ValueError):
+        WeightTransferTrainerFactory.register_engine(BACKEND, *_TRAINER_ENGINE)
     logger.debug("registered the %r vLLM weight-transfer backend", BACKEND)
 
 

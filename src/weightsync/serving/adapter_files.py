@@ -1,10 +1,10 @@
-"""LoRA adapter versions on ``vllm serve`` (``init_info`` with ``adapter``).
+"""LoRA adapter versions as files on a server's host (``init_info`` with ``adapter``).
 
-Server side (:class:`AdapterFiles`): the host's first rank copies each adapter version,
+:class:`AdapterFiles`: the host's first rank copies each adapter version,
 read from a double-buffer directory (the trainer's on one host; this host's staging
 directory on the network path) under the slot's read lock and verified by checksum, into
 its own directory ``<adapter_dir>/<name>-v<version>``. The trainer then points the stable
-name at it through vLLM's ``/v1/load_lora_adapter`` (:func:`load_on_server`). The
+name at it (for ``vllm serve``: ``weightsync.integrations.vllm.lora_routes``). The
 ``adapter_dir`` must be new (the server creates it) or empty: it comes from ``init_info``,
 and the server removes it when it goes, so it must never name anything the server did not
 make. The versions go with the server's process; those left by a killed process are
@@ -15,7 +15,7 @@ name *and path*, so a new path never reuses a block computed with another versio
 clients keep asking for ``model="policy"``. vLLM reads an adapter's files again whenever it
 reloads it (after a weight update, an LRU eviction, and, while the ``load_inplace`` flag
 stays on the stored request, at every step), so the newest ``keep`` versions' files stay.
-Nothing here imports vLLM.
+Nothing here imports an inference engine.
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import stat
 import time
 from multiprocessing.util import Finalize
 from pathlib import Path
-from typing import Any
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import UnsafeDirectoryError, WeightSyncError, WeightSyncTimeoutError
-from weightsync.integrations.vllm.adapters import stage_adapter
-from weightsync.integrations.vllm.owners import (
+from weightsync.serving.adapter_copy import stage_adapter
+from weightsync.serving.owners import (
     OWNER_FILE,
     Owner,
     dead_owners,
@@ -217,49 +216,3 @@ class AdapterFiles:
             reader.close()
         self._readers.clear()
         self._removal()
-
-
-#: how the stable name moves to a new version (see :func:`load_on_server`)
-LOAD_MODES = ("inplace", "swap")
-
-
-def load_on_server(client: Any, name: str, path: str, timeout: float, mode: str = "inplace") -> None:
-    """Point ``name`` on the server of ``client`` at the adapter in ``path`` (on the
-    server's host) through vLLM's ``/v1/load_lora_adapter``; requests sent after this
-    returns get this version. ``mode``: ``"inplace"`` (``load_inplace``: the name keeps its
-    LoRA id and never stops answering; vLLM 0.32 then re-reads the files at every step,
-    vLLM issue #33791) or ``"swap"`` (``/v1/unload_lora_adapter``, then a plain load under
-    a new id: no re-reads, and requests in flight finish on their version, but for one
-    round trip the name answers 404). ``client``: one with a ``load_lora_adapter(name,
-    path)`` method (it decides how), or an HTTP client with ``base_url``
-    (``HTTPVLLMWeightSyncClient``)."""
-    if mode not in LOAD_MODES:
-        raise ValueError(f"adapter load mode must be one of {LOAD_MODES}, got {mode!r}")
-    if hasattr(client, "load_lora_adapter"):
-        client.load_lora_adapter(name, path)
-        return
-    base_url = getattr(client, "base_url", None)
-    if base_url is None:
-        raise TypeError(f"adapter {name!r}: the client {type(client).__name__} has neither "
-                        "load_lora_adapter(name, path) nor an HTTP base_url")
-    import requests
-
-    url = str(base_url).rstrip("/")
-    if mode == "swap":
-        reply = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name},
-                              timeout=timeout)
-        if reply.status_code >= 400 and "cannot be found" not in reply.text:  # first version
-            _refused(url, name, path, reply)
-    reply = requests.post(f"{url}/v1/load_lora_adapter", timeout=timeout, json={
-        "lora_name": name, "lora_path": path, "load_inplace": mode == "inplace"})
-    if reply.status_code >= 400:
-        _refused(url, name, path, reply)
-
-
-def _refused(url: str, name: str, path: str, reply: Any) -> None:
-    if reply.status_code == 404 and "lora" not in reply.text.lower():
-        raise WeightSyncError(
-            f"{url} has no LoRA adapter routes: start vllm serve with "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora")
-    raise WeightSyncError(f"{url} refused adapter {name!r} from {path}: "
-                          f"HTTP {reply.status_code}: {reply.text[:500]}")

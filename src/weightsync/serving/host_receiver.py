@@ -6,7 +6,7 @@ every tensor-parallel rank then loads it from there with the directory path's ow
 exactly or not at all. A small status file tells the other ranks which local version holds
 the trainer's version (or why there is none). An owner record in each staging directory
 lets the next receiver to start on the host remove the staging of one that was killed (as
-vLLM kills its workers at exit), and nothing else. Nothing here imports vLLM."""
+vLLM kills its workers at exit), and nothing else. Nothing here imports an inference engine."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import UnsafeDirectoryError, WeightSyncError, WeightSyncTimeoutError
-from weightsync.integrations.vllm.owners import (
+from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme, VLLMDoubleBufferWeightSender
+from weightsync.serving.owners import (
     Owner,
     Verdict,
     dead_owners,
@@ -36,7 +37,6 @@ from weightsync.integrations.vllm.owners import (
     read_owner,
     write_owner,
 )
-from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme, VLLMDoubleBufferWeightSender
 from weightsync.transports.directory.files import write_json_atomic
 from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.sharded import ShardedFetcher

@@ -1,0 +1,206 @@
+"""The vLLM servers one trainer engine drives, written once for every mode: vLLM's client
+calls on a server (init; start, update, finish), on the one server of the directory path
+or on all of them at once (each within the engine's timeout, then one error naming each
+server that failed), and the figures of each version sent (``stats``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, Any
+
+from weightsync.core.errors import TrainerSessionEndedError, WeightSyncError, WeightSyncTimeoutError
+from weightsync.serving.sessions import ONE_TRAINER
+from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
+
+if TYPE_CHECKING:
+    from weightsync.integrations.vllm.trainer_adapter import ServedAdapter
+
+#: a call on one server: ``call(index, client)``
+ServerCall = Callable[[int, Any], None]
+
+
+def as_clients(client: Any) -> list[Any]:
+    """The servers' clients as vLLM hands them to a trainer engine: one, or a list."""
+    return list(client) if isinstance(client, (list, tuple)) else [client]
+
+
+class Servers:
+    """The servers of one trainer engine (``clients``; ``client``: as vLLM handed them) and
+    what every call on them carries: the engine's ``session``, its ``timeout``; in adapter
+    mode the ``adapter`` whose name each server points at each version."""
+
+    def __init__(self, client: Any, clients: list[Any], *, session: str, timeout: float,
+                 reset_prefix_cache: bool, adapter: ServedAdapter | None) -> None:
+        self.client = client
+        self.clients = clients
+        self.session = session
+        self.timeout = timeout
+        self.reset_cache = reset_prefix_cache  # empty each HTTP server's prefix cache after a load
+        self.adapter = adapter
+        self.needs_init: set[int] = set()  # servers to initialise again (they failed)
+        self.round_inits: list[int] = []  # servers initialised during the round under way
+        self.pack_seconds = 0.0  # how long the version under way took to pack
+        self._stats: list[dict[str, Any]] = []
+        self._whole_streams = 0
+
+    def init_server(self, index: int, client: Any, info: dict[str, Any], version: int) -> None:
+        """vLLM's init call on server ``index``: ``info``, this engine's session and, in
+        adapter mode, where the server's host keeps the adapter's versions."""
+        adapter = {} if self.adapter is None else self.adapter.init_fields(index)
+        client.init_weight_transfer_engine({**info, "session": self.session, **adapter})
+        self.round_inits.append(index)  # its host streamed the version once more
+        self.reset_prefix_cache(client, version)
+
+    def point_adapter(self, index: int, client: Any, version: int) -> None:
+        """Adapter mode: point the adapter's name on server ``index`` at ``version``."""
+        if self.adapter is not None:
+            self.adapter.point(index, client, version, self.timeout)
+
+    def update_server(self, index: int, client: Any, version: int,
+                      init: ServerCall | None = None) -> None:
+        """vLLM's update calls for server ``index`` (first initialised again by ``init`` if
+        it failed), loading ``version``; an adapter is pointed at before the version label
+        is set, so the label never names a version the adapter's name does not serve."""
+        if index in self.needs_init and init is not None:
+            init(index, client)
+            self.needs_init.discard(index)
+        client.start_weight_update()
+        client.update_weights({"version": version, "session": self.session})
+        try:
+            self.point_adapter(index, client, version)
+            self.reset_prefix_cache(client, version)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.finish_weight_update()  # end the server's update session, unlabelled
+            raise
+        client.finish_weight_update(weight_version=str(version))
+
+    def update_sole_server(self, version: int) -> None:
+        """The directory path's one server loads ``version``; its refusal of this session
+        (another trainer took it over) is a ``TrainerSessionEndedError`` saying so."""
+        try:
+            self.update_server(0, self.client, version)
+        except Exception as exc:  # the server's refusal, as its client raised it: named
+            if isinstance(exc, TrainerSessionEndedError) or not session_ended(exc):
+                raise
+            raise TrainerSessionEndedError(
+                f"trainer session {self.session}: another trainer took over server "
+                f"{server_name(self.client)} ({ONE_TRAINER}): {server_said(exc)}",
+                session=self.session) from exc
+
+    def reset_prefix_cache(self, client: Any, version: int) -> None:
+        """Empty an HTTP server's prefix cache once it loaded a version (its cached blocks,
+        and those of requests running now, were computed with the old weights); an
+        in-process client empties its engine's itself. Not in adapter mode."""
+        url = getattr(client, "base_url", None)
+        if not self.reset_cache or self.adapter is not None or url is None:
+            return
+        import requests
+
+        reply = requests.post(f"{url}/reset_prefix_cache", timeout=self.timeout,
+                              params={"reset_running_requests": "true"})
+        reply.raise_for_status()
+        if not reply.json().get("success", False):
+            raise WeightSyncError(
+                f"server {url} loaded version {version} but could not empty its prefix "
+                "cache (blocks still held); its cached prompts would mix two versions")
+
+    def each_server(self, what: str, version: int, call: ServerCall,
+                    meanwhile: Callable[[], None], publisher: VersionPublisher) -> None:
+        """Run ``call`` for every server at once, each within the engine's timeout, and
+        ``meanwhile`` here (pack the version while the servers' hosts stream it); then raise
+        one error naming each server that failed or did not answer in time (the others got
+        the version). A server that failed is initialised again before its next update (a
+        restarted one has nothing: it takes the version whole)."""
+        started = time.perf_counter()
+        errors: dict[str, BaseException] = {}
+        self.round_inits = []
+        pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
+        try:
+            futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
+            meanwhile()
+            wait_futures(futures.values(), timeout=self.timeout)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a stalled call is left behind
+        for index, future in futures.items():
+            name = server_name(self.clients[index])
+            if not future.done():
+                errors[name] = WeightSyncTimeoutError(
+                    f"no answer within {self.timeout:g}s (the engine's timeout)")
+            elif future.exception() is not None:
+                errors[name] = future.exception()  # type: ignore[assignment]
+            if name in errors:
+                self.needs_init.add(index)
+        # one stream per server that answered, and in an update one more per server
+        # initialised again on the way (its init fetched the version whole first)
+        again = len(self.round_inits) if what != "init" else 0
+        expected = len(self.clients) - len(errors) + again
+        streams = publisher.wait_streams(version, expected, 5.0)
+        self.record(version, what, time.perf_counter() - started, streams, errors)
+        if errors:
+            self._raise_for(version, what, errors)
+
+    def _raise_for(self, version: int, what: str, errors: dict[str, BaseException]) -> None:
+        detail = "; ".join(f"{name}: {type(exc).__name__}: {server_said(exc)}"
+                           for name, exc in errors.items())
+        message = (f"version {version} ({what}) is not served by {len(errors)} of "
+                   f"{len(self.clients)} servers: {detail}")
+        taken = [name for name, exc in errors.items() if session_ended(exc)]
+        if taken:  # re-initialising them would only be refused: this session ended there
+            raise TrainerSessionEndedError(
+                f"trainer session {self.session}: another trainer took over server(s) "
+                f"{taken} ({ONE_TRAINER}); {message}",
+                session=self.session) from next(iter(errors.values()))
+        raise WeightSyncError(message) from next(iter(errors.values()))
+
+    def record(self, version: int, what: str, seconds: float, streams: list[StreamFigures],
+               errors: dict[str, BaseException]) -> None:
+        """The figures of one version sent (the newest 64 are kept)."""
+        self._stats.append({
+            "version": version, "call": what, "seconds": seconds,
+            "pack_seconds": self.pack_seconds,
+            "wire_bytes": sum(f.wire_bytes for f in streams),
+            "chunks": sum(f.chunks for f in streams),
+            "delta_chunks": sum(f.delta_chunks for f in streams),
+            "hosts": [figures_dict(f) for f in streams],
+            # hosts that got this version whole though delta is on, and why
+            "whole": {f.host: f.whole_reason for f in streams if f.whole_reason},
+            "failed": {name: str(exc) for name, exc in errors.items()},
+        })
+        self._whole_streams += sum(1 for f in streams if f.whole_reason)
+        del self._stats[:-64]
+
+    def stats(self) -> dict[str, Any]:
+        """Per version sent on the network path: wire bytes, chunks and chunks sent as
+        deltas (all hosts together, and per host), the hosts that got it whole and why,
+        seconds; ``"last"`` is the newest; ``"whole_streams"`` counts, over the session,
+        the streams that went whole with delta on (a host's first version included)."""
+        return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats),
+                "whole_streams": self._whole_streams}
+
+
+def server_name(client: Any) -> str:
+    """How an error names a server: its URL when the client has one."""
+    return str(getattr(client, "base_url", None) or client)
+
+
+def server_said(exc: BaseException) -> str:
+    """A server's error as its client raised it, with what the server said: over HTTP
+    (requests' ``HTTPError``) the message is in the reply's body, not in the error."""
+    body = getattr(getattr(exc, "response", None), "text", None)
+    if not isinstance(body, str) or not body:
+        return str(exc)
+    with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):  # not vLLM's JSON
+        body = str(json.loads(body)["error"]["message"])
+    return f"{exc} (the server said: {body[:4000]})"
+
+
+def session_ended(exc: BaseException) -> bool:
+    """Whether a server's error (as its client raised it) is its
+    ``TrainerSessionEndedError``."""
+    return isinstance(exc, TrainerSessionEndedError) or ONE_TRAINER in server_said(exc)

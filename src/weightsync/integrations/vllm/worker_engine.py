@@ -1,0 +1,365 @@
+"""The worker side of the ``weightsync`` vLLM weight-transfer backend: the engine vLLM makes
+in each of its workers (``WeightSyncWeightTransferEngine``), and the ``init_info`` and
+``update_info`` it parses. Each update loads one committed version, exactly, from the
+trainer's directory (one host) or from this host's staging directory (the network path,
+where the host's first rank fetches it), checked against the served model's layout,
+through vLLM's layerwise reload; a LoRA adapter's versions are staged as files instead.
+One trainer per server at a time (``weightsync.serving.sessions``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from weightsync.core.checks import checked_int
+from weightsync.core.deadline import checked_timeout, required_timeout
+from weightsync.core.errors import WeightSyncError
+from weightsync.integrations.vllm.extension import apply_exact, engine_directory
+from weightsync.integrations.vllm.loading import EngineLoader, Pairs
+from weightsync.schemes.double_buffer import (
+    VLLMDoubleBufferSyncScheme,
+    VLLMDoubleBufferWeightReceiver,
+)
+from weightsync.schemes.lora import check_adapter_name
+from weightsync.schemes.ranks import MAX_TRAINER_RANKS
+from weightsync.serving.adapter_files import AdapterFiles
+from weightsync.serving.host_receiver import (
+    HostReceiver,
+    host_name,
+    request_key,
+    staging_directory,
+    wait_staged,
+)
+from weightsync.serving.sessions import ServerSessions, checked_session
+from weightsync.transports.net.wire import split_address
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightSyncInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``llm.init_weight_transfer_engine``: the trainer's ``directory`` (one
+    host), or the ``address`` it listens at with the session's ``token`` (the network path:
+    the trainer engine fills both, and a ``ticket`` naming this init)."""
+
+    directory: str = ""
+    timeout: float = 60.0
+    num_workers: int | None = None
+    address: str = ""
+    token: str = ""
+    ticket: str = ""
+    #: a sharded trainer: every rank's HOST:PORT, rank by rank (``address`` is rank 0's)
+    addresses: list[str] = field(default_factory=list)
+    adapter: str = ""  # a LoRA adapter's versions, not full weights (vllm serve --enable-lora)
+    adapter_dir: str = ""  # where this server's host keeps them (the trainer names it)
+    adapter_keep: int = 4
+    #: the trainer engine's session id (one per trainer engine): a server serves one
+    #: session at a time, and an init of another session ends the one before (its updates
+    #: are refused from then on); "" (a direct call) ends it too, and is never refused
+    session: str = ""
+
+    def __post_init__(self) -> None:
+        """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
+        self.session = checked_session(self.session, "init_info session")
+        if self.adapter:
+            check_adapter_name(self.adapter)
+            if not os.path.isabs(self.adapter_dir):
+                raise ValueError("init_info with 'adapter' needs 'adapter_dir', an absolute "
+                                 "path on the server's host (the trainer engine sends it)")
+            self.adapter_keep = checked_int(self.adapter_keep, "init_info adapter_keep", 1)
+        if bool(self.directory) == bool(self.address):
+            raise ValueError("init_info needs exactly one of 'directory' (a directory both "
+                             "sides see) and 'address' (the trainer's HOST:PORT)")
+        if self.directory:
+            self.directory = engine_directory(self.directory)
+        else:
+            split_address(self.address)
+            if not isinstance(self.addresses, list) or len(self.addresses) > MAX_TRAINER_RANKS:
+                raise ValueError("init_info 'addresses' must be a list of HOST:PORT, one per "
+                                 "trainer rank")
+            for address in self.addresses:
+                split_address(address)
+            if not self.token or not self.ticket:
+                raise ValueError("init_info with 'address' needs the trainer's 'token' and "
+                                 "'ticket' (the weightsync trainer engine sends them)")
+        self.timeout = required_timeout(self.timeout, "init_info timeout")
+        if self.num_workers is not None:
+            self.num_workers = checked_int(self.num_workers, "init_info num_workers", 1)
+
+
+@dataclass
+class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``llm.update_weights``: the committed version every rank loads
+    (None: the newest committed one, as each rank reads it)."""
+
+    version: int | None = None
+    timeout: float | None = None
+    #: the trainer session it comes from (the weightsync trainer engine sends its own): the
+    #: update is refused unless that session initialised the server last; "" (a direct
+    #: call, the directory path's manual updates) is not checked
+    session: str = ""
+
+    def __post_init__(self) -> None:
+        """Versions are ints (3.9 or True is refused, never truncated); timeouts finite."""
+        self.session = checked_session(self.session, "update_info session")
+        if self.version is not None:
+            self.version = checked_int(self.version, "update_info version")
+        self.timeout = checked_timeout(self.timeout, "update_info timeout")
+
+
+def _worker_index() -> int:
+    """This process's rank among the engine's workers (0 outside a distributed group)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank)
+    except Exception:  # no group initialised: a single worker
+        return 0
+
+
+def _is_host_receiver() -> bool:
+    """Whether this worker receives the network path's versions for its host (local rank 0:
+    one receive per host, however many ranks it has)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().local_rank) == 0
+    except Exception:  # no group initialised: a single worker
+        return True
+
+
+def _trainer(info: WeightSyncInitInfo) -> str | list[str]:
+    """Where the host fetches from: the trainer's address, or every rank's (sharded)."""
+    return list(info.addresses) if info.addresses else info.address
+
+
+class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
+    """The worker side: each update loads one committed version from the directory,
+    checked against the served model's layout, through vLLM's layerwise reload."""
+
+    init_info_cls = WeightSyncInitInfo
+    update_info_cls = WeightSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.worker_idx = _worker_index()
+        self.receiver: VLLMDoubleBufferWeightReceiver | None = None
+        self.remote: WeightSyncInitInfo | None = None  # the network path's session
+        self.host: HostReceiver | None = None  # this host's one receiver (local rank 0)
+        self.adapter: WeightSyncInitInfo | None = None  # the session, when it serves an adapter
+        self.adapter_files: AdapterFiles | None = None  # its files (local rank 0 writes them)
+        self.retired_files: list[AdapterFiles] = []  # an earlier session's, still named
+        engine_id = f"{getattr(self.vllm_config, 'instance_id', '')}/{os.getppid()}"
+        self.staging = staging_directory(engine_id)
+        self.host_label = host_name(engine_id)
+        #: the trainer session that initialised it last, and those that ended here
+        self.sessions = ServerSessions(f"vLLM worker {self.worker_idx} on {self.host_label}")
+
+    def _reload(self, pairs: Pairs) -> None:
+        initialize_layerwise_reload(self.model)
+        model: Any = self.model  # a vLLM model: load_weights takes (name, tensor) pairs
+        model.load_weights(pairs)
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
+        """Attach to the directory and load its newest committed version (so a layout that
+        does not fit the served model fails here, with ``SchemaMismatchError``); on the
+        network path, first have this host's receiver fetch the trainer's current version
+        into the host-local staging directory. An init of another trainer session takes the
+        server over (``ServerSessions.take``)."""
+        self.sessions.take(init_info.session)
+        self.shutdown()
+        if init_info.adapter:
+            self._init_adapter(init_info)
+            return
+        idx = self.worker_idx
+        directory, num_workers, local = init_info.directory, init_info.num_workers, None
+        if init_info.address:
+            where = f"vLLM worker {idx} on {self.host_label}"
+            if _is_host_receiver():
+                if self.host is None:
+                    self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
+                                             init_info.timeout)
+                key = request_key(init_info.token, f"init/{init_info.ticket}")
+                local = self.host.stage(_trainer(init_info), init_info.token, None, key,
+                                        init_info.timeout, new_session=True)
+            else:
+                key = request_key(init_info.token, f"init/{init_info.ticket}")
+                local = wait_staged(self.staging, key, init_info.timeout, where)
+            directory, num_workers = str(self.staging), self._local_ranks()
+            self.remote = init_info
+        scheme = VLLMDoubleBufferSyncScheme(
+            directory, num_workers=max(num_workers or idx + 1, idx + 1),
+            timeout=init_info.timeout,
+        )
+        receiver = scheme.create_receiver(worker_idx=idx)
+        loader = EngineLoader(self, f"vLLM worker {idx} ({init_info.address or directory})",
+                              reload=self._reload,
+                              hf_config=getattr(self.model_config, "hf_config", None))
+        receiver.register_loader(loader)
+        receiver.connect(timeout=init_info.timeout)
+        if local is not None:
+            apply_exact(receiver, local, init_info.timeout)
+        self.receiver = receiver
+        logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
+                    receiver.version)
+
+    def _init_adapter(self, init_info: WeightSyncInitInfo) -> None:
+        """A LoRA adapter's versions: the base weights stay as served; this host's first
+        rank stages the trainer's current adapter version for vLLM's LoRA loader (every
+        rank loads it from there when the trainer points the adapter's name at it)."""
+        lora_config = getattr(self.vllm_config, "lora_config", None)
+        if lora_config is None:
+            raise WeightSyncError(
+                f"vLLM worker {self.worker_idx} on {self.host_label}: the trainer sends LoRA "
+                f"adapter {init_info.adapter!r}, but this server has LoRA off: start it with "
+                "--enable-lora --max-lora-rank R (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+        self.adapter = init_info
+        self.remote = init_info if init_info.address else None
+        if not _is_host_receiver():
+            return  # one copy of the files per host
+        files = self.adapter_files
+        if files is None or str(files.root) != init_info.adapter_dir:
+            if files is not None:  # vLLM serves from them until the new session's first load
+                self.retired_files.append(files)
+            files = self.adapter_files = AdapterFiles(
+                init_info.adapter_dir, init_info.adapter, int(lora_config.max_lora_rank),
+                init_info.adapter_keep)
+        if not init_info.address:
+            files.stage(init_info.directory, init_info.timeout)
+            return
+        # a fresh staging directory per init: another trainer session may send another
+        # layout (dtype, rank), and the staged slots only carry versions to the files
+        if self.host is not None:
+            self.host.close()
+        files.forget(self.staging)
+        self.host = HostReceiver(self.staging, 1, self.host_label, init_info.timeout)
+        key = request_key(init_info.token, f"init/{init_info.ticket}")
+        local = self.host.stage(init_info.address, init_info.token, None, key, init_info.timeout)
+        files.stage(self.staging, init_info.timeout, expect=local, label=self.host.version)
+
+    def _receive_adapter(self, version: int | None, timeout: float | None) -> None:
+        """Stage adapter version ``version`` on this host (its first rank; the others have
+        nothing to do: vLLM's LoRA loader reads the staged files on every rank)."""
+        session = self.adapter
+        assert session is not None
+        if version is None:
+            raise ValueError("a LoRA adapter update needs update_info {'version': v} (the "
+                             "weightsync trainer engine sends it)")
+        files = self.adapter_files
+        if files is None:
+            return
+        while self.retired_files:  # the name left them at this session's init
+            self.retired_files.pop().close()
+        timeout = session.timeout if timeout is None else timeout
+        if not session.address:
+            files.stage(session.directory, timeout, expect=version)
+            return
+        assert self.host is not None
+        key = request_key(session.token, f"version/{version}")
+        local = self.host.stage(session.address, session.token, version, key, timeout)
+        files.stage(self.staging, timeout, expect=local, label=version)
+
+    def _local_ranks(self) -> int:
+        """The ranks that load from this host's staging directory (an engine on one host)."""
+        return max(int(getattr(self.parallel_config, "world_size", 1) or 1), 1)
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
+        if self.adapter is None:
+            self._receiver()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Load the named version (no device synchronisation is needed on CPU)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        """Load the version ``update_info`` names (None: the newest committed, on the
+        directory path), once its trainer session is checked (``ServerSessions.check``)."""
+        self.sessions.check(update_info.session, update_info.version)
+        if self.adapter is not None:
+            self._receive_adapter(update_info.version, update_info.timeout)
+            return
+        receiver = self._receiver()
+        version = update_info.version
+        if self.remote is not None:
+            self._receive_remote(receiver, version, update_info.timeout)
+            return
+        if version is None:
+            version = receiver.newest_committed()
+            if version is None:
+                return
+        apply_exact(receiver, version, update_info.timeout)
+
+    def _receive_remote(self, receiver: VLLMDoubleBufferWeightReceiver, version: int | None,
+                        timeout: float | None) -> None:
+        """The network path: this host's receiver fetches the trainer's ``version`` and
+        stages it; every rank then loads exactly that staged version."""
+        remote = self.remote
+        assert remote is not None
+        if version is None:
+            raise ValueError("the weightsync network path needs update_info {'version': v} "
+                             "(the weightsync trainer engine sends it)")
+        timeout = remote.timeout if timeout is None else timeout
+        key = request_key(remote.token, f"version/{version}")
+        if self.host is not None:
+            local = self.host.stage(_trainer(remote), remote.token, version, key, timeout)
+        else:
+            local = wait_staged(self.staging, key, timeout,
+                                f"vLLM worker {self.worker_idx} on {self.host_label}")
+        apply_exact(receiver, local, timeout)
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finalise: the version was loaded and post-processed whole."""
+
+    def shutdown(self) -> None:
+        """Detach from the directory; the host's staging directory stays for the next init
+        (``close`` removes it with the engine)."""
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        self.remote = None
+        self.adapter = None  # its staged files stay: vLLM may read them again
+
+    def __del__(self) -> None:
+        # At interpreter exit this runs while modules are torn down, their globals already
+        # None (``contextlib`` among them): builtins only, and nothing may escape.
+        for owned in (getattr(self, "host", None), getattr(self, "adapter_files", None)):
+            if owned is not None:
+                try:  # noqa: SIM105 (not contextlib.suppress: the module may be gone by now)
+                    owned.close()
+                except Exception:
+                    pass
+
+    @property
+    def version(self) -> int:
+        """The version this worker holds (-1 before ``init_weight_transfer_engine``; with an
+        adapter, the one this host staged last)."""
+        if self.adapter_files is not None:
+            return self.adapter_files.version
+        return -1 if self.receiver is None else self.receiver.version
+
+    def _receiver(self) -> VLLMDoubleBufferWeightReceiver:
+        if self.receiver is None:
+            raise RuntimeError(
+                f"vLLM worker {self.worker_idx}: call llm.init_weight_transfer_engine("
+                "{'init_info': {'directory': ...}}) before updating weights"
+            )
+        return self.receiver
+
