@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
@@ -25,7 +26,7 @@ from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.net.reader import NetReader
-from weightsync.transports.net.wire import split_address
+from weightsync.transports.net.wire import join_address, split_address
 from weightsync.transports.net.writer import NetWriter
 
 DEFAULT_ADDRESS = "127.0.0.1:0"
@@ -40,8 +41,7 @@ def bound_address(address: str) -> str:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
-        port = probe.getsockname()[1]
-    return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        return join_address(host, probe.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,7 @@ class NetWeightSyncScheme(WeightSyncScheme):
     def create_receiver(self, worker_idx: int = 0) -> WeightReceiver:
         """The end for worker ``worker_idx``, on any host that reaches ``address``."""
         c = self.config
-        if type(worker_idx) is not int or not 0 <= worker_idx < c.num_workers:
-            raise ValueError(f"worker_idx {worker_idx!r} is out of range: the scheme has "
-                             f"num_workers={c.num_workers}")
+        worker_idx = checked_int(worker_idx, "worker_idx", 0, c.num_workers - 1)
         reader = NetReader(c.address, c.token, worker_idx, timeout=self.peer_timeout,
                            cast=c.dtype is not None)
         return WeightReceiver(self, worker_idx, reader)

@@ -7,16 +7,12 @@ deadline)."""
 
 from __future__ import annotations
 
-import errno
 import socket
-import time
 
 from weightsync.core.deadline import Deadline
 from weightsync.transports.local.accept import accept_ready
 from weightsync.transports.local.channel import Channel, ChannelTimeout
-from weightsync.transports.net.wire import split_address
-
-_RETRY = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
+from weightsync.transports.net.wire import connect_when_listening, split_address
 
 
 def _tcp(sock: socket.socket) -> Channel:
@@ -53,17 +49,7 @@ class TcpRankListener:
 def connect_tcp(address: str, timeout: float | None) -> Channel:
     """A channel to rank 0's listener at ``address``, retrying while it is not up yet;
     ``ChannelTimeout`` after ``timeout``."""
-    host, port = split_address(address)
-    deadline = Deadline(timeout)
-    delay = 0.01
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=max(deadline.slice(5.0), 0.05))
-            return _tcp(sock)
-        except OSError as exc:
-            if exc.errno not in _RETRY and not isinstance(exc, TimeoutError):
-                raise
-            if deadline.expired():
-                raise ChannelTimeout(f"no rank 0 listening at {address} after {deadline}") from exc
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, 0.2)
+    try:
+        return Channel(connect_when_listening(address, Deadline(timeout)))
+    except TimeoutError as exc:
+        raise ChannelTimeout(f"no rank 0 listening at {address}: {exc}") from exc

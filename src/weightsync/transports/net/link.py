@@ -5,11 +5,9 @@ notice a trainer that closed or died. Authenticated and sealed like a version's 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,16 +25,12 @@ from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import (
     DeadlinePassed,
     ProtocolError,
+    connect_when_listening,
     recv_frame,
     send_frame,
-    split_address,
 )
 
 logger = logging.getLogger(__name__)
-
-#: a trainer not listening yet: connecting is tried again until the deadline
-_NOT_YET = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
-
 
 def worker_credential(token: str, worker_idx: int) -> str:
     """Worker ``worker_idx``'s credential: the scheme's workers hold the token itself."""
@@ -94,23 +88,14 @@ class NetLink:
         self._reader.start()
 
     def _connect(self, deadline: Deadline) -> socket.socket:
-        host, port = split_address(self.address)
-        delay = 0.02
-        while True:
-            try:
-                sock = socket.create_connection((host, port), timeout=max(deadline.slice(5.0), 0.05))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
-            except OSError as exc:
-                if exc.errno not in _NOT_YET and not isinstance(exc, TimeoutError):
-                    raise SenderLostError(f"worker {self.worker_idx}: cannot reach the trainer "
-                                          f"at {self.address}: {exc}") from None
-                if deadline.expired():
-                    raise WeightSyncTimeoutError(
-                        f"worker {self.worker_idx}: no trainer listening at {self.address} "
-                        f"within {deadline} ({exc})") from None
-                time.sleep(deadline.slice(delay))
-                delay = min(delay * 2, 0.25)
+        try:
+            return connect_when_listening(self.address, deadline)
+        except TimeoutError as exc:
+            raise WeightSyncTimeoutError(f"worker {self.worker_idx}: no trainer listening at "
+                                         f"{self.address} within {deadline}") from exc
+        except OSError as exc:
+            raise SenderLostError(f"worker {self.worker_idx}: cannot reach the trainer at "
+                                  f"{self.address}: {exc}") from None
 
     def _read(self) -> None:
         assert self._sock is not None and self._seal is not None

@@ -33,6 +33,7 @@ from weightsync.transports.net.wire import (
     CHUNK_HEADER,
     CHUNK_POSITION,
     ProtocolError,
+    join_address,
     recv_frame,
     send_frame,
     split_address,
@@ -80,7 +81,7 @@ class VersionPublisher:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=64)
         bound = self._listener.getsockname()[1]
-        self.address = f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
+        self.address = join_address(host, bound)
         self._cond = threading.Condition()
         self._current: PackedVersion | None = None
         self._previous: PackedVersion | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -143,9 +144,9 @@ class NetReader:
                 self._cond.notify_all()
             self.link.send({"staged": staged})
 
-    def _fetch(self, base: tuple[PackedVersion, str] | None, allocate: object
-               ) -> tuple[PackedVersion, str]:
-        fetcher = VersionFetcher(self.name, allocate=allocate)  # type: ignore[arg-type]
+    def _fetch(self, base: tuple[PackedVersion, str] | None,
+               allocate: Callable[[int], torch.Tensor]) -> tuple[PackedVersion, str]:
+        fetcher = VersionFetcher(self.name, allocate=allocate)
         if base is not None:
             fetcher.base, fetcher.base_session = base
         packed = fetcher.fetch(self.link.address, self.link.credential, None, self.timeout)

@@ -6,9 +6,11 @@ one (a fetch: the whole call), by the socket's timeout otherwise."""
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import struct
+import time
 from typing import Any
 
 import torch
@@ -120,3 +122,33 @@ def split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"address {address!r} is not HOST:PORT (a port from 0 to 65535)")
     return host, int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6): what :func:`split_address` reads back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+#: errors of a peer that is not listening yet (or not reachable yet): tried again
+NOT_LISTENING_YET = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
+
+
+def connect_when_listening(address: str, deadline: Deadline) -> socket.socket:
+    """A TCP connection (no Nagle) to ``address``, trying again with a growing pause while
+    nothing listens there yet; ``TimeoutError`` once ``deadline`` passes, the ``OSError``
+    of any other failure at once."""
+    host, port = split_address(address)
+    delay = 0.01
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline.slice(5.0), 0.05))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as exc:
+            if exc.errno not in NOT_LISTENING_YET and not isinstance(exc, TimeoutError):
+                raise
+            if deadline.expired():
+                raise TimeoutError(f"nothing listening at {address} within {deadline} "
+                                   f"({exc})") from exc
+            time.sleep(deadline.slice(delay))
+            delay = min(delay * 2, 0.2)
