@@ -36,6 +36,7 @@ def hosts() -> Iterator[TwoHostCluster]:
     if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "unshare", "mount")):
         pytest.skip("two hosts unavailable: needs root and the ip, unshare and mount commands")
     with two_host_network() as made:
+        made.shape_link("1gbit")  # a datacenter link between the hosts, not a memory-speed veth
         made.enter("a")  # the trainer (this process) lives on host A
         yield made
 
@@ -198,4 +199,35 @@ def test_a_killed_trainer_is_sender_lost_on_every_host(hosts, out_dir):
             trainer.kill()
         (out_dir / "stop").touch()
         host_a.stop()
+        host_b.stop()
+
+
+def test_a_stopped_worker_is_named_within_the_deadline_and_catches_up(hosts, out_dir):
+    scheme = ws.NetWeightSyncScheme(num_workers=2, address=f"{ADDRESS_A}:0", timeout=60)
+    host_b = HostWorkers(hosts.ns_b, scheme, out_dir, [0, 1])
+    model = make_model()
+    try:
+        with scheme.create_sender() as sender:
+            sender.register_model(model)
+            sender.connect(timeout=90)
+            wait_reports(out_dir, holds(0, [0, 1]))
+            pid = next(r[2] for r in reports(out_dir)[1] if r[0] == "pid")
+            os.kill(pid, signal.SIGSTOP)  # alive, connected, silent
+            try:
+                step(model, 1)
+                started = time.monotonic()
+                with pytest.raises(ws.WeightSyncTimeoutError) as late:
+                    sender.send(timeout=3)
+                assert late.value.worker_ids == (1,) and "worker(s) [1]" in str(late.value)
+                assert time.monotonic() - started < 6
+                wait_reports(out_dir, holds(1, [0]))  # its host-mate got the version
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            step(model, 2)
+            version = sender.send(timeout=30)
+            got = wait_reports(out_dir, holds(version, [0, 1]))
+            assert set(checksums_of(got, version).values()) == {
+                float(sum(t.detach().double().sum() for t in model.state_dict().values()))}
+    finally:
+        (out_dir / "stop").touch()
         host_b.stop()
