@@ -167,6 +167,23 @@ def test_the_vllm_serve_bench_model_is_llama_shaped_and_sized():
         assert 0.8 * nbytes < fp32 < 1.2 * nbytes, (nbytes, fp32)
 
 
+def test_the_in_flight_stall_is_the_longest_silence_around_an_update():
+    """Token arrivals merged over the streams: the longest gap that overlaps the update's
+    window counts, including the gap that straddles its start or end."""
+    from weightsync.bench.vllm_inflight import InFlight, in_flight_table, longest_stall
+
+    arrivals = [0.0, 0.1, 0.2, 1.0, 1.05, 1.1, 3.0]
+    assert longest_stall(arrivals, 0.5, 0.9) == pytest.approx(0.8)  # 0.2 -> 1.0
+    assert longest_stall(arrivals, 1.02, 1.08) == pytest.approx(0.05)
+    assert longest_stall(arrivals, 1.2, 1.3) == pytest.approx(1.9)  # 1.1 -> 3.0
+    figures = InFlight("1gbit", 400_000_000, baseline_p99_gap=0.05, baseline_tps=100.0,
+                       stalls={"full": [0.2, 0.3]}, takes={"full": [0.15]},
+                       sends={"full": [2.0]}, tps={"full": 95.0}, memcpy=0.05)
+    table = in_flight_table([figures])
+    assert "| 1gbit | full | 250 ms / 300 ms | 300 ms | 150 ms | 3.0 |" in table, table
+    assert "0.95 |" in table
+
+
 def test_checksum_bench_script_prints_both_functions_side_by_side():
     """scripts/bench_checksum.py (quoted by docs/performance.md) runs and prints the word
     sum beside lane32-weighted-v1 for each step, each against its memcpy."""

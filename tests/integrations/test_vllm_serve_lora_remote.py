@@ -97,8 +97,9 @@ def test_a_trainer_killed_mid_version_leaves_the_name_on_its_last_version(
     done = subprocess.run(["ip", "netns", "exec", hosts.ns_a, sys.executable, script, server.url,
                            f"{ADDRESS_A}:0"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:] + server.log(20000)
-    assert done.stdout.strip() == "sent"
+    said, label = done.stdout.split()
+    assert said == "sent"
     expected = vm.peft_model()
     vm.set_adapter(expected, 1)
-    assert server.weight_version() == "1"  # version 2 never finished
+    assert server.weight_version() == label  # version 2 never finished
     assert greedy(server, "policy", PROMPTS) == merged_greedy(expected, None)

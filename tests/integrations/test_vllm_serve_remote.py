@@ -1,20 +1,29 @@
 """The network path to a real ``vllm serve`` on another host: the server runs in a second
 network namespace whose mount namespace has its own ``/dev/shm`` and ``/tmp`` (no file
 system shared with the trainer); the trainer, in the first namespace, drives it with vLLM's
-``HTTPVLLMWeightSyncClient`` and ``WeightSyncTrainerInitInfo(address=...)``."""
+``HTTPVLLMWeightSyncClient`` and ``WeightSyncTrainerInitInfo(address=...)``. Updates are in
+flight: three streams keep generating while versions travel, full and as deltas, over two
+trainer sessions; every token's ``weight_versions`` label must name the weights that
+sampled it (its logprob, recomputed with a full forward of prompt + the tokens before it
+under the labelled version, equals vLLM's), no request fails, and the second session's
+labels continue above the first's."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import vllm_model as vm
+from token_labels import Sample, check_labels, stream_tokens
 from vllm_server import SRC, VLLMServer, greedy, serve_on_host_b, two_hosts
 
 from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster
@@ -30,8 +39,9 @@ def hosts() -> Iterator[TwoHostCluster]:
 
 @pytest.fixture(scope="module")
 def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
-    """``vllm serve`` on host B (it boots from its own copy of the tiny Llama)."""
-    yield from serve_on_host_b(hosts, "ws-vllm-remote-")
+    """``vllm serve`` on host B (it boots from its own copy of the tiny Llama), with the
+    token-in-token-out endpoint (its per-token labels)."""
+    yield from serve_on_host_b(hosts, "ws-vllm-remote-", extra=("--enable-scale-out",))
 
 
 def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
@@ -53,6 +63,108 @@ def _bf16_greedy(trainer) -> list[list[int]]:
     return vm.transformers_greedy(vm.rounded_copy(trainer, torch.bfloat16))
 
 
+#: 10x the largest difference between vLLM's and transformers' logprobs without updates
+TOLERANCE = 1e-3
+PROMPTS = [[5, 17, 42, 8, 99, 3], [300, 1, 2, 77], [11, 12, 13, 14, 15, 16, 17]]
+NEW_TOKENS = 48
+
+
+class Streams:
+    """Three clients, each asking for one sampled continuation after another until
+    stopped; every finished request is kept, every failure too."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.samples: list[Sample] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(len(PROMPTS))]
+
+    def _run(self, index: int) -> None:
+        seed = index
+        while not self._stop.is_set():
+            seed += len(PROMPTS)
+            try:
+                sample = stream_tokens(self.url, PROMPTS[index], NEW_TOKENS, timeout=120,
+                                       seed=seed)
+            except Exception as exc:  # a failed request is what the test must not see
+                self.failures.append(f"stream {index}: {type(exc).__name__}: {exc}")
+                return
+            self.samples.append(sample)
+
+    def __enter__(self) -> Streams:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=180)
+        assert not any(t.is_alive() for t in self._threads), "a stream did not end"
+
+
+def _send(engine: Any, trainer: Any, models: dict[str, Any]) -> str:
+    """Send the trainer's weights; the version it served is kept under its label."""
+    served = copy.deepcopy(trainer)
+    label = engine.send_weights()
+    assert label not in models, f"label {label} names two versions"
+    models[label] = served
+    return str(label)
+
+
+def test_streams_keep_generating_and_every_token_names_its_weights(server: VLLMServer):
+    models: dict[str, Any] = {}
+    trainer = vm.build_model(seed=0)
+    with Streams(server.url) as streams:
+        time.sleep(1.0)  # requests running before the first session's init
+        sessions: list[list[str]] = []
+        for delta in (False, True):
+            served = copy.deepcopy(trainer)
+            engine = _engine(trainer, server, dtype=None, delta=delta, timeout=120)
+            try:
+                labels = [str(engine.servers.label(engine.version))]
+                models[labels[0]] = served
+                for step in range(3):
+                    time.sleep(0.7)
+                    with torch.no_grad():  # a clear change, in a few tensors (deltas stay small)
+                        vm.perturb(trainer.lm_head, 10 * len(sessions) + step)
+                        vm.perturb(trainer.model.layers[0].mlp, 10 * len(sessions) + step)
+                    labels.append(_send(engine, trainer, models))
+                    last = engine.stats()["last"]
+                    assert not last["failed"], last
+                    if delta:
+                        assert 0 < last["delta_chunks"] == last["chunks"], last
+                        assert last["wire_bytes"] < 0.5 * engine.stats()["versions"][0][
+                            "wire_bytes"], last
+                assert server.weight_version() == labels[-1]
+            finally:
+                engine.shutdown()
+            sessions.append(labels)
+        time.sleep(1.0)
+    assert not streams.failures, streams.failures
+    # labels only go up, across the two trainer sessions too
+    flat = [int(label) for labels in sessions for label in labels]
+    assert flat == sorted(flat) and len(set(flat)) == len(flat), sessions
+    # every token: its label is a version, and that version's logprob is vLLM's
+    samples = streams.samples
+    assert all(s.finish_reason == "length" for s in samples)
+    models["default"] = vm.build_model(seed=0)  # what the server booted with
+    problems = check_labels(samples, models, TOLERANCE, kv="fresh")
+    assert not problems, "\n".join(problems[:20])
+    # the check can fail: each label mapped to the next version's weights, nearly every
+    # token is caught
+    names = sorted(models, key=lambda n: -1 if n == "default" else int(n))
+    shifted = {a: models[b] for a, b in zip(names, names[1:] + names[:1], strict=True)}
+    tokens = sum(len(s.token_ids) for s in samples)
+    assert len(check_labels(samples, shifted, TOLERANCE, kv="fresh")) > 0.9 * tokens
+    spanning = [s for s in samples if len(set(s.labels)) > 1]
+    assert len(spanning) >= 3, f"only {len(spanning)} of {len(samples)} requests spanned an update"
+    print(f"{len(samples)} requests, {sum(len(s.token_ids) for s in samples)} tokens, "
+          f"{len(spanning)} spanning an update; labels {sessions}")
+
+
 def test_versions_reach_a_server_on_another_host(server: VLLMServer):
     trainer = vm.build_model()
     engine = _engine(trainer, server)
@@ -61,11 +173,11 @@ def test_versions_reach_a_server_on_another_host(server: VLLMServer):
         assert nbytes > 2 * sum(p.numel() for p in trainer.parameters())  # bf16, whole
         for step in (1, 2, 3):
             vm.perturb(trainer, step)
-            engine.send_weights()
+            label = engine.send_weights()
             last = engine.stats()["last"]
             assert last["version"] == step and last["delta_chunks"] == 0
             assert last["wire_bytes"] == nbytes
-            assert server.weight_version() == str(step)
+            assert server.weight_version() == label
             assert greedy(server) == _bf16_greedy(trainer)
     finally:
         engine.shutdown()
@@ -103,10 +215,11 @@ def test_a_trainer_killed_mid_version_leaves_the_server_serving_its_last(
     done = subprocess.run(["ip", "netns", "exec", hosts.ns_a, sys.executable, script, server.url,
                            f"{ADDRESS_A}:0"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
-    assert done.stdout.strip() == "sent"
+    said, label = done.stdout.split()
+    assert said == "sent"
     expected = vm.build_model()
     vm.perturb(expected, 1)
-    assert server.weight_version() == "1"  # version 2 never finished
+    assert server.weight_version() == label  # version 2 never finished
     assert greedy(server) == _bf16_greedy(expected)
     # the next update names the lost trainer (vLLM answers 500; its log has the cause)
     server.post("start_weight_update")
@@ -148,7 +261,7 @@ def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server:
     engine = _engine(trainer, [server, second_server], delta=True, timeout=30.0)
     try:
         vm.perturb(trainer, 1)
-        engine.send_weights()
+        first = int(engine.send_weights())
         assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
         second_server.kill(signal.SIGSTOP)
         vm.perturb(trainer, 2)
@@ -156,44 +269,54 @@ def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server:
         with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {second_server.url}"):
             engine.send_weights()
         assert time.monotonic() - started < 60
-        assert server.weight_version() == "2"
+        assert server.weight_version() == str(first + 1)
         assert greedy(server) == _bf16_greedy(trainer)
         second_server.kill(signal.SIGKILL)
         second_server.stop()
         second_server.start().wait_ready()
         vm.perturb(trainer, 3)
-        engine.send_weights()
+        assert engine.send_weights() == str(first + 2)
         assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
-        assert second_server.weight_version() == "3"
+        assert second_server.weight_version() == str(first + 2)
         # the first server's update and the restarted one's init carry the version (whole: a
-        # perturbation changes every word); the restarted one's update then has nothing to do
-        # but its header (wire_bytes counts every byte that left, the version header included)
+        # perturbation changes every word), one stream each: the restarted one's init staged
+        # it in the background and its take loads that
         sizes = sorted(s["wire_bytes"] for s in engine.stats()["last"]["hosts"])
-        assert len(sizes) == 3 and sizes[0] < 4096 and abs(sizes[1] - sizes[2]) < 4096, sizes
-        assert sizes[2] > 2 * sum(p.numel() for p in trainer.parameters())
+        assert len(sizes) == 2 and abs(sizes[0] - sizes[1]) < 4096, sizes
+        assert sizes[1] > 2 * sum(p.numel() for p in trainer.parameters())
     finally:
         engine.shutdown()
 
 
 def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server: VLLMServer):
     """``--tensor-parallel-size 2``: the host's rank 0 fetches each version once; both ranks
-    load that staged version (one stream per update in the trainer's figures)."""
+    take that staged version in flight (one stream per update in the trainer's figures),
+    and the labels of three streams running across the updates name the weights exactly."""
     tp = VLLMServer(server.model_dir, host=ADDRESS_B, port=8002, netns=hosts.ns_b,
-                    extra=("--tensor-parallel-size", "2"),
+                    extra=("--tensor-parallel-size", "2", "--enable-scale-out"),
                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     try:
         tp.start().wait_ready()
         trainer = vm.build_model()
-        engine = _engine(trainer, tp, delta=True)
-        try:
-            assert len(engine.stats()["last"]["hosts"]) == 1
-            for step in (1, 2):
-                vm.perturb(trainer, step)
-                engine.send_weights()
-                assert len(engine.stats()["last"]["hosts"]) == 1  # one receive for two ranks
-                assert greedy(tp) == _bf16_greedy(trainer)
-        finally:
-            engine.shutdown()
+        models = {"default": vm.build_model()}
+        with Streams(tp.url) as streams:
+            engine = _engine(trainer, tp, delta=True)
+            try:
+                models[engine.servers.label(0)] = vm.rounded_copy(trainer, torch.bfloat16)
+                assert len(engine.stats()["last"]["hosts"]) == 1
+                for step in (1, 2):
+                    time.sleep(0.5)
+                    vm.perturb(trainer, step)
+                    models[engine.send_weights()] = vm.rounded_copy(trainer, torch.bfloat16)
+                    assert len(engine.stats()["last"]["hosts"]) == 1  # one receive, two ranks
+                    assert greedy(tp) == _bf16_greedy(trainer)
+                time.sleep(0.5)
+            finally:
+                engine.shutdown()
+        assert not streams.failures, streams.failures
+        problems = check_labels(streams.samples, models, TOLERANCE, kv="fresh")
+        assert not problems, "\n".join(problems[:20])
+        assert any(len(set(s.labels)) > 1 for s in streams.samples)
     finally:
         tp.stop()
 
@@ -219,7 +342,7 @@ def test_a_2_rank_fsdp2_trainer_streams_its_shards_from_every_rank(
     assert [e["version"] for e in lead] == [e["version"] for e in member] == [1, 2, 3, 4]
     for entry in lead:
         assert entry["server"] == entry["expected"], entry["step"]
-    assert server.weight_version() == str(steps + 1)
+    assert server.weight_version() == lead[-1]["label"]
     for report in (lead, member):  # each rank sent its own part, one stream each
         assert all(e["chunks"] > 0 and e["wire_bytes"] > 0 for e in report)
         small = report[-1]  # a few rows changed: each rank sends the host a delta of its part

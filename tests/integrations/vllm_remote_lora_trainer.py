@@ -1,6 +1,6 @@
 """A trainer process for the LoRA network-path tests: initialises a ``vllm serve
 --enable-lora`` at argv[1] in adapter mode (listening at argv[2]), sends adapter version 1
-(``set_adapter`` step 1), prints "sent", then dies by SIGKILL in the middle of version 2's
+(``set_adapter`` step 1), prints "sent" and its label, then dies by SIGKILL in the middle of version 2's
 stream."""
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ def main() -> None:
     model = vm.peft_model()
     engine = adapter_engine(model, HTTPVLLMWeightSyncClient(url, timeout=120), address=address)
     vm.set_adapter(model, 1)
-    engine.send_weights()
-    print("sent", flush=True)
+    print("sent", engine.send_weights(), flush=True)
     net_publisher.VersionPublisher._send_chunk = staticmethod(die_mid_chunk)  # type: ignore[method-assign]
     vm.set_adapter(model, 2)
     engine.send_weights()

@@ -1,6 +1,6 @@
 """A trainer process for the network-path tests: initialises a ``vllm serve`` at argv[1]
 through the network path (listening at argv[2]), sends one update (perturb step 1), prints
-"sent", then dies by SIGKILL in the middle of the next version's stream."""
+"sent" and its label, then dies by SIGKILL in the middle of the next version's stream."""
 
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ def main() -> None:
         client=HTTPVLLMWeightSyncClient(url, timeout=120), source=ModuleSource(trainer),
     )
     vm.perturb(trainer, 1)
-    engine.send_weights()
-    print("sent", flush=True)
+    print("sent", engine.send_weights(), flush=True)
     net_publisher.VersionPublisher._send_chunk = staticmethod(die_mid_chunk)  # type: ignore[method-assign]
     vm.perturb(trainer, 2)
     engine.send_weights()

@@ -71,9 +71,10 @@ def fsdp_rank(rank: int, world: int, port: int, url: str, model_dir: str, addres
                 with torch.no_grad():
                     reference.lm_head.weight[:4] += 0.05
             _copy_shards(model, reference)
-            engine.send_weights()
+            label = engine.send_weights()
             last = engine.stats()["last"]
-            entry = {"step": step, "version": last["version"], "wire_bytes": last["wire_bytes"],
+            entry = {"step": step, "version": last["version"], "label": label,
+                     "wire_bytes": last["wire_bytes"],
                      "chunks": last["chunks"], "delta_chunks": last["delta_chunks"]}
             if rank == 0:
                 entry["server"] = _server_greedy(url, model_dir)

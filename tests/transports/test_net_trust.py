@@ -146,6 +146,12 @@ def test_each_server_of_the_trainer_engine_gets_its_own_credential():
             self.info = dict(init_info)
             VersionFetcher("fake").fetch(init_info["address"], init_info["token"], None, 10)
 
+        def start_weight_update(self) -> None:  # the label of the version loaded at init
+            pass
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            pass
+
     clients = [Recorder(), Recorder()]
     engine = WeightSyncTrainerEngine.trainer_init(
         WeightSyncTrainerInitInfo(rank=0, address="127.0.0.1:0", timeout=10), client=clients,  # type: ignore[arg-type]

@@ -118,7 +118,8 @@ def _adamw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> flo
     return same / max(total, 1)
 
 
-def _engine(model: torch.nn.Module, url: str, address: str, delta: bool) -> Any:
+def _engine(model: torch.nn.Module, url: str, address: str, delta: bool,
+            pause: str = "keep") -> Any:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -126,7 +127,7 @@ def _engine(model: torch.nn.Module, url: str, address: str, delta: bool) -> Any:
 
     return WeightTransferTrainerFactory.trainer_init(
         WeightSyncTrainerInitInfo(rank=0, address=address, dtype="bfloat16", delta=delta,
-                                  timeout=600),
+                                  timeout=600, pause=pause),
         client=HTTPVLLMWeightSyncClient(url, timeout=600), source=ModuleSource(model))
 
 
@@ -189,10 +190,13 @@ def _measure(server: Any, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def run_vllm_serve_bench(
     size: str, nbytes: int, rates: Sequence[str], repeats: int,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, interval: float = 5.0,
 ) -> tuple[list[BenchRow], str]:
-    """Rows against the floor of each link rate, and the table with the delta figures."""
+    """Rows against the floor of each link rate, and the tables with the delta figures and
+    the in-flight ones (``vllm_inflight``: an update every ``interval`` seconds under three
+    streams, ``repeats`` of each kind)."""
     from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, parse_link_rate, two_host_network
+    from weightsync.bench.vllm_inflight import in_flight_table, measure_in_flight
     from weightsync.bench.vllm_server import VLLMServer
 
     for rate in rates:
@@ -207,11 +211,12 @@ def run_vllm_serve_bench(
     model.save_pretrained(work / "model", safe_serialization=True)
     fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
     results: list[tuple[str, list[Case]]] = []
+    in_flight: list[Any] = []
     with two_host_network() as hosts, contextlib.ExitStack() as stack:
         hosts.enter("a")
         server = VLLMServer(str(work / "model"), host=ADDRESS_B, port=PORT, netns=hosts.ns_b,
                             extra=("--worker-extension-cls", WORKER_EXTENSION,
-                                   "--max-model-len", "256"))
+                                   "--max-model-len", "256", "--enable-scale-out"))
         stack.callback(server.stop)
         stack.callback(shutil.rmtree, work, True)
         server.start().wait_ready(600)
@@ -219,6 +224,13 @@ def run_vllm_serve_bench(
             hosts.shape_link(rate)
             results.append((rate, _measure(server, model, optimizer, repeats, rate, progress,
                                            ADDRESS_A)))
+
+            def make_engine(delta: bool, pause: str) -> Any:
+                return _engine(model, server.url, f"{ADDRESS_A}:0", delta, pause)
+
+            in_flight.append(measure_in_flight(
+                server, model, lambda: _adamw_step(model, optimizer), make_engine, rate,
+                repeats, interval, progress))
             hosts.unshape_link()
     rows, out = [], io.StringIO()
     for rate, cases in results:
@@ -227,6 +239,9 @@ def run_vllm_serve_bench(
             rows.append(make_row(f"vllm-serve {case.label}", size, fp32_bytes // 2, 1, case.times,
                                  floor, "bare TCP + reload"))
         print(case_table(rate, cases, fp32_bytes), file=out)
+    print("In flight: three streams generate while a version is sent every "
+          f"{interval:g}s (an AdamW step each):", file=out)
+    print(in_flight_table(in_flight), file=out)
     return rows, out.getvalue()
 
 

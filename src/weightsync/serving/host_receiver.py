@@ -19,8 +19,11 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +135,9 @@ class HostReceiver:
         self.fetcher = VersionFetcher(name)
         self.sharded = ShardedFetcher(name)
         self.version = -1  # the trainer's number of the version staged last
+        self._lock = threading.Lock()  # one stage at a time, in the background or not
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="weightsync-stage")
+        self._pending: dict[str, Future[int]] = {}  # background stages, by request key
 
     def _start_over(self) -> None:
         """An empty staging directory with this process's owner record (a previous engine's
@@ -157,39 +163,77 @@ class HostReceiver:
         """Fetch ``want`` (None: the trainer's current version) from the trainer, or from
         every rank of a sharded trainer (``address``: theirs, rank by rank), commit it
         locally and return its local version; the outcome is in the status file under
-        ``key`` either way (an error is raised here too). ``new_session`` (an init, where
+        ``key`` either way (an error is raised here too), written before the trainer hears
+        the version arrived, so its verdict means "staged". ``new_session`` (an init, where
         every rank attaches afresh): a version of another layout than the one staged (the
         trainer now sends another dtype or model) starts the staging directory over."""
-        try:
-            metadata: dict[str, str] = {}  # a LoRA adapter's name and config (unsharded)
-            if isinstance(address, str):
-                packed = self.fetcher.fetch(address, token, want, timeout)
-                version, tensors, metadata = packed.version, packed.tensors(), packed.metadata
-            else:
-                version, tensors = self.sharded.fetch(address, token, want, timeout)
-            layout = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
-            if new_session and self.layout and layout != self.layout:
-                logger.info("host %s: the trainer's new session sends another layout; its "
-                            "staging directory starts over", self.fetcher.name)
-                self._start_over()
-            if self.sender is None:
-                self.sender = self.scheme.create_sender()
-                self.sender.register_model(tensors)
-                self.layout = layout
-            writer: Any = self.sender.writer
-            writer.slot_metadata = dict(metadata)
-            local = int(self.sender.update_weights(tensors, timeout=timeout))
-        except Exception as exc:
-            self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
-            raise
+        staged: list[int] = []
+
+        def commit(version: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+                   ) -> None:
+            staged.append(self._commit(version, tensors, metadata, key, timeout, new_session))
+
+        with self._lock:
+            try:
+                if isinstance(address, str):
+                    self.fetcher.fetch(address, token, want, timeout, commit=lambda packed: commit(
+                        packed.version, packed.tensors(), packed.metadata))
+                else:
+                    commit(*self.sharded.fetch(address, token, want, timeout), {})
+            except Exception as exc:
+                self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
+                raise
+            return staged[0]
+
+    def _commit(self, version: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                key: str, timeout: float, new_session: bool) -> int:
+        """Commit a fetched, verified version to the staging directory; its local number."""
+        layout = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        if new_session and self.layout and layout != self.layout:
+            logger.info("host %s: the trainer's new session sends another layout; its "
+                        "staging directory starts over", self.fetcher.name)
+            self._start_over()
+        if self.sender is None:
+            self.sender = self.scheme.create_sender()
+            self.sender.register_model(tensors)
+            self.layout = layout
+        writer: Any = self.sender.writer
+        writer.slot_metadata = dict(metadata)  # a LoRA adapter's name and config (unsharded)
+        local = int(self.sender.update_weights(tensors, timeout=timeout))
         self._status({"key": key, "local": local, "version": version})
         self.version = version
         return local
+
+    def stage_in_background(self, address: str | Sequence[str], token: str, want: int,
+                            key: str, timeout: float, *, new_session: bool = False) -> None:
+        """Start :meth:`stage` on this receiver's thread and return at once (the engine
+        keeps generating while the version travels); :meth:`staged` waits for it."""
+        self._pending = {k: f for k, f in self._pending.items() if not f.done()}
+        self._pending[key] = self._stager.submit(self.stage, address, token, want, key, timeout,
+                                                 new_session=new_session)
+
+    def staged(self, key: str, timeout: float) -> int | None:
+        """The local version of the background stage started for ``key`` once it ends, or
+        None if none was started for it or it failed (logged: the caller fetches it now)."""
+        future = self._pending.pop(key, None)
+        if future is None:
+            return None
+        try:
+            return int(future.result(timeout=timeout))
+        except FutureTimeout:
+            raise WeightSyncTimeoutError(
+                f"host {self.fetcher.name}: the version staged in the background was not "
+                f"staged within {timeout:g}s") from None
+        except Exception as exc:
+            logger.warning("host %s: staging in the background failed (%s: %s); fetching "
+                           "it again now", self.fetcher.name, type(exc).__name__, exc)
+            return None
 
     def _status(self, status: dict[str, Any]) -> None:
         write_json_atomic(self.directory / STATUS, status, mode=0o600, durable=False)
 
     def close(self) -> None:
+        self._stager.shutdown(wait=False, cancel_futures=True)
         if self.sender is not None:
             self.sender.close()
             self.sender = None

@@ -17,6 +17,7 @@ from weightsync.core.checks import checked_int
 from weightsync.core.deadline import required_timeout
 from weightsync.integrations.vllm.lora_routes import LOAD_MODES
 from weightsync.integrations.vllm.plugin import BACKEND, register
+from weightsync.integrations.vllm.server_take import PAUSE_MODES
 from weightsync.schemes.local import check_num_workers
 from weightsync.schemes.lora import check_adapter_name
 from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
@@ -64,6 +65,13 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     #: version, before its label names it: cached blocks were computed with the old weights
     #: (an adapter needs none: each version is served under a path of its own)
     reset_prefix_cache: bool = True
+    #: how each ``vllm serve`` takes a version on the network path (HTTP, full weights):
+    #: it keeps generating while the version travels and is staged on its host, then stops
+    #: only to load it, inside vLLM's ``/pause`` of this mode: ``"keep"`` (running requests
+    #: freeze and continue under the new weights, their KV recomputed; the fastest) or
+    #: ``"wait"`` (new requests wait while the running ones finish on the old weights: no
+    #: sample spans two versions)
+    pause: str = "keep"
 
 
 #: where a sharded trainer's ranks find their rank key when ``rank_key`` is not given
@@ -79,6 +87,7 @@ class SendConfig:
     dtype: torch.dtype | None
     timeout: float
     reset_prefix_cache: bool
+    pause: str = "keep"
 
 
 @dataclass(frozen=True)
@@ -180,8 +189,11 @@ def _adapter_config(info: WeightSyncTrainerInitInfo) -> AdapterConfig:
 
 
 def _send_config(info: WeightSyncTrainerInitInfo) -> SendConfig:
+    if info.pause not in PAUSE_MODES:
+        raise ValueError(f"pause must be one of {PAUSE_MODES} (vLLM's /pause modes an "
+                         f"in-flight update runs in), got {info.pause!r}")
     return SendConfig(_dtype(info.dtype), required_timeout(info.timeout, "timeout"),
-                      bool(info.reset_prefix_cache))
+                      bool(info.reset_prefix_cache), info.pause)
 
 
 def _dtype(name: object) -> torch.dtype | None:

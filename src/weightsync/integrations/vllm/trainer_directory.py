@@ -50,6 +50,8 @@ class DirectoryMode:
         info = {"directory": config.directory, "timeout": send.timeout,
                 "num_workers": config.num_workers}
         servers.init_server(0, servers.client, info, mode.version)
+        if adapter is None:
+            servers.label_server(servers.client, mode.version)
         servers.point_adapter(0, servers.client, mode.version)
         return mode
 

@@ -80,21 +80,28 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             adapter = ServedAdapter(config.adapter, source, clients)
         servers = self.servers = Servers(
             self.client, clients, session=self.session, timeout=config.send.timeout,
-            reset_prefix_cache=config.send.reset_prefix_cache, adapter=adapter)
+            reset_prefix_cache=config.send.reset_prefix_cache, adapter=adapter,
+            pause=config.send.pause)
+        if self.is_sender:
+            servers.learn_labels()
         if isinstance(config, ShardedConfig):
             return ShardedMode.start(config, servers, source)
         if isinstance(config, NetworkConfig):
             return NetworkMode.start(config, servers, source, adapter, self.is_sender)
         return DirectoryMode.start(config, servers, source, adapter, self.is_sender)
 
-    def send_weights(self) -> None:
+    def send_weights(self) -> str:  # type: ignore[override]  # vLLM says None: ours returns the label
         """Send this round's weights, then have every vLLM worker load that version (a
         sharded trainer: every rank calls it; each sends only its own shards; in adapter
-        mode: have every server answer the adapter's name with it)."""
+        mode: have every server answer the adapter's name with it). Returns the label the
+        servers' ``weight_versions`` spans carry for it (above every label they served
+        before this session; on ranks that drive no server, the version's own number)."""
         if self.mode is None:
             raise RuntimeError("the weightsync trainer engine is made by trainer_init "
                                "(WeightTransferTrainerFactory.trainer_init(init_info, ...))")
         self.mode.send()
+        assert self.servers is not None
+        return self.servers.label(self.mode.version)
 
     def shutdown(self) -> None:
         """Close this rank's listener or sender (the servers keep what they loaded)."""

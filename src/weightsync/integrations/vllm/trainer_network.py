@@ -58,6 +58,9 @@ class NetworkMode:
         mode.version = 0
 
         def init(index: int, client: Any) -> None:
+            if servers.in_flight(client):
+                servers.bring_in_flight(index, client, 0, publisher, mode._init_info(index))
+                return
             mode._init_server(index, client)
             servers.point_adapter(index, client, 0)
 
@@ -79,17 +82,29 @@ class NetworkMode:
         version, packed = self.version, self._publish(weights)
 
         def update(index: int, client: Any) -> None:
-            self.servers.update_server(index, client, version, init=self._init_server)
+            servers = self.servers
+            if servers.in_flight(client):
+                assert self.publisher is not None
+                info = self._init_info(index) if index in servers.needs_init else None
+                servers.needs_init.discard(index)  # a failure puts it back
+                servers.bring_in_flight(index, client, version, self.publisher, info)
+                return
+            servers.update_server(index, client, version, init=self._init_server)
 
         self.servers.each_server("update", version, update, lambda: self._fill(packed, weights),
                                  self.publisher)
 
+    def _init_info(self, index: int) -> dict[str, Any]:
+        assert self.publisher is not None
+        return server_init_info(self.publisher.address, self.token, index,
+                                self.config.send.timeout)
+
     def _init_server(self, index: int, client: Any) -> None:
         """Have a server's host fetch the current version and every rank load it (a new or
-        restarted server gets it whole)."""
-        assert self.publisher is not None
-        info = server_init_info(self.publisher.address, self.token, index, self.config.send.timeout)
-        self.servers.init_server(index, client, info, self.version)
+        restarted server gets it whole), then label it."""
+        self.servers.init_server(index, client, self._init_info(index), self.version)
+        if self.adapter is None:
+            self.servers.label_server(client, self.version)
 
     def _publish(self, weights: dict[str, torch.Tensor]) -> PackedVersion:
         """Lay out this round's version and publish it before it is packed: hosts stream

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
+from weightsync.core.deadline import Deadline
 from weightsync.core.errors import TrainerSessionEndedError, WeightSyncError, WeightSyncTimeoutError
+from weightsync.integrations.vllm.server_take import served_label, server_url, take, wait_staged
 from weightsync.serving.sessions import ONE_TRAINER
 from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from weightsync.integrations.vllm.trainer_adapter import ServedAdapter
@@ -35,16 +40,23 @@ class Servers:
     mode the ``adapter`` whose name each server points at each version."""
 
     def __init__(self, client: Any, clients: list[Any], *, session: str, timeout: float,
-                 reset_prefix_cache: bool, adapter: ServedAdapter | None) -> None:
+                 reset_prefix_cache: bool, adapter: ServedAdapter | None,
+                 pause: str = "keep") -> None:
         self.client = client
         self.clients = clients
         self.session = session
         self.timeout = timeout
         self.reset_cache = reset_prefix_cache  # empty each HTTP server's prefix cache after a load
         self.adapter = adapter
+        self.pause = pause  # vLLM's pause mode around an in-flight take ("keep", "wait")
+        #: version v is labelled ``label_base + v`` on the servers (``learn_labels``)
+        self.label_base = 0
         self.needs_init: set[int] = set()  # servers to initialise again (they failed)
         self.round_inits: list[int] = []  # servers initialised during the round under way
         self.pack_seconds = 0.0  # how long the version under way took to pack
+        #: per server URL, how long its in-flight take (pause to resume) of the version under
+        #: way stopped it
+        self.round_takes: dict[str, float] = {}
         self._stats: list[dict[str, Any]] = []
         self._whole_streams = 0
 
@@ -55,6 +67,57 @@ class Servers:
         client.init_weight_transfer_engine({**info, "session": self.session, **adapter})
         self.round_inits.append(index)  # its host streamed the version once more
         self.reset_prefix_cache(client, version)
+
+    def learn_labels(self) -> None:
+        """Number this session's labels above every numeric label the servers serve now
+        (a server that cannot say counts as none): labels on a server never repeat or go
+        backwards, across trainer sessions and restarts too."""
+        held = []
+        for client in self.clients:
+            try:
+                held.append(served_label(client, min(self.timeout, 10.0)))
+            except Exception as exc:  # an unreachable server: its init names it
+                logger.info("server %s did not say its label: %s", server_name(client), exc)
+        numbers = [label for label in held if label is not None]
+        self.label_base = max(numbers) + 1 if numbers else 0
+
+    def label(self, version: int) -> str:
+        """The label version ``version`` of this session carries on the servers."""
+        return str(self.label_base + version)
+
+    def label_server(self, client: Any, version: int) -> None:
+        """Set the label of the version a server loaded at its init (an update session that
+        loads nothing)."""
+        client.start_weight_update()
+        client.finish_weight_update(weight_version=self.label(version))
+
+    def in_flight(self, client: Any) -> bool:
+        """Whether a server takes versions in flight (``server_take``): an HTTP server
+        loading full weights."""
+        return self.adapter is None and server_url(client) is not None
+
+    def bring_in_flight(self, index: int, client: Any, version: int,
+                        publisher: VersionPublisher, init_info: dict[str, Any] | None) -> None:
+        """Server ``index`` stages ``version`` in the background (``init_info``: with its
+        init, a new or failed server's), keeps generating until its host staged it, then
+        takes it inside vLLM's pause, labelled; all within the engine's timeout."""
+        deadline = Deadline(self.timeout)
+        url = server_url(client)
+        assert url is not None
+        after = publisher.streams_ended(version, f"server{index}")
+        if init_info is not None:
+            # its one stream of the version (no other follows at the take)
+            client.init_weight_transfer_engine(
+                {**init_info, "session": self.session, "stage_version": version})
+        else:
+            client.start_weight_update()
+            client.update_weights({"version": version, "session": self.session, "stage": True})
+            client.finish_weight_update()
+        wait_staged(publisher, index, url, version, after, deadline)
+        started = time.perf_counter()
+        take(client, url, version, self.label(version), self.session, self.pause, deadline,
+             lambda: self.reset_prefix_cache(client, version))
+        self.round_takes[url] = time.perf_counter() - started
 
     def point_adapter(self, index: int, client: Any, version: int) -> None:
         """Adapter mode: point the adapter's name on server ``index`` at ``version``."""
@@ -78,7 +141,7 @@ class Servers:
             with contextlib.suppress(Exception):
                 client.finish_weight_update()  # end the server's update session, unlabelled
             raise
-        client.finish_weight_update(weight_version=str(version))
+        client.finish_weight_update(weight_version=self.label(version))
 
     def update_sole_server(self, version: int) -> None:
         """The directory path's one server loads ``version``; its refusal of this session
@@ -120,6 +183,7 @@ class Servers:
         started = time.perf_counter()
         errors: dict[str, BaseException] = {}
         self.round_inits = []
+        self.round_takes = {}
         pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
         try:
             futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
@@ -171,6 +235,8 @@ class Servers:
             # hosts that got this version whole though delta is on, and why
             "whole": {f.host: f.whole_reason for f in streams if f.whole_reason},
             "failed": {name: str(exc) for name, exc in errors.items()},
+            # in flight: how long each server stopped generating for its take
+            "take_seconds": dict(self.round_takes),
         })
         self._whole_streams += sum(1 for f in streams if f.whole_reason)
         del self._stats[:-64]

@@ -117,6 +117,7 @@ class ShardedMode:
                                 self.config.send.timeout)
         info["addresses"] = list(self.addresses)
         self.servers.init_server(index, client, info, self.version)
+        self.servers.label_server(client, self.version)
 
     def close(self) -> None:
         for ranks in (self.lead, self.member):

@@ -70,10 +70,19 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     #: session at a time, and an init of another session ends the one before (its updates
     #: are refused from then on); "" (a direct call) ends it too, and is never refused
     session: str = ""
+    #: in-flight (the network path): the init only starts staging this version of the
+    #: trainer's in the background and returns; every rank loads it at the update that
+    #: names it (None: the init fetches and loads the trainer's current version itself)
+    stage_version: int | None = None
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
         self.session = checked_session(self.session, "init_info session")
+        if self.stage_version is not None:
+            self.stage_version = checked_int(self.stage_version, "init_info stage_version")
+            if not self.address or self.adapter:
+                raise ValueError("init_info 'stage_version' is for full weights on the "
+                                 "network path ('address', no 'adapter')")
         if self.adapter:
             check_adapter_name(self.adapter)
             if not os.path.isabs(self.adapter_dir):
@@ -111,12 +120,19 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     #: update is refused unless that session initialised the server last; "" (a direct
     #: call, the directory path's manual updates) is not checked
     session: str = ""
+    #: in-flight (the network path): only start staging ``version`` on this host in the
+    #: background and return at once; the update that names it without ``stage`` loads it
+    stage: bool = False
 
     def __post_init__(self) -> None:
         """Versions are ints (3.9 or True is refused, never truncated); timeouts finite."""
         self.session = checked_session(self.session, "update_info session")
         if self.version is not None:
             self.version = checked_int(self.version, "update_info version")
+        if not isinstance(self.stage, bool):
+            raise ValueError(f"update_info stage must be true or false, got {self.stage!r}")
+        if self.stage and self.version is None:
+            raise ValueError("update_info with 'stage' needs the 'version' to stage")
         self.timeout = checked_timeout(self.timeout, "update_info timeout")
 
 
@@ -187,6 +203,12 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             self._init_adapter(init_info)
             return
         idx = self.worker_idx
+        if init_info.stage_version is not None:
+            self._start_staging(init_info, init_info.stage_version, new_session=True)
+            self.remote = init_info
+            logger.info("worker %d: staging version %d of %s in the background", idx,
+                        init_info.stage_version, init_info.address)
+            return
         directory, num_workers, local = init_info.directory, init_info.num_workers, None
         if init_info.address:
             where = f"vLLM worker {idx} on {self.host_label}"
@@ -202,21 +224,27 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                 local = wait_staged(self.staging, key, init_info.timeout, where)
             directory, num_workers = str(self.staging), self._local_ranks()
             self.remote = init_info
-        scheme = VLLMDoubleBufferSyncScheme(
-            directory, num_workers=max(num_workers or idx + 1, idx + 1),
-            timeout=init_info.timeout,
-        )
-        receiver = scheme.create_receiver(worker_idx=idx)
-        loader = EngineLoader(self, f"vLLM worker {idx} ({init_info.address or directory})",
-                              reload=self._reload,
-                              hf_config=getattr(self.model_config, "hf_config", None))
-        receiver.register_loader(loader)
-        receiver.connect(timeout=init_info.timeout)
+        receiver = self._attach(directory, num_workers, init_info.timeout, init_info.address)
         if local is not None:
             apply_exact(receiver, local, init_info.timeout)
         self.receiver = receiver
         logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
                     receiver.version)
+
+    def _attach(self, directory: str, num_workers: int | None, timeout: float,
+                address: str) -> VLLMDoubleBufferWeightReceiver:
+        """This rank's receiver of ``directory`` (the trainer's, or this host's staging),
+        loading through vLLM's layerwise reload, checked against the served layout."""
+        idx = self.worker_idx
+        scheme = VLLMDoubleBufferSyncScheme(
+            directory, num_workers=max(num_workers or idx + 1, idx + 1), timeout=timeout)
+        receiver = scheme.create_receiver(worker_idx=idx)
+        loader = EngineLoader(self, f"vLLM worker {idx} ({address or directory})",
+                              reload=self._reload,
+                              hf_config=getattr(self.model_config, "hf_config", None))
+        receiver.register_loader(loader)
+        receiver.connect(timeout=timeout)
+        return receiver
 
     def _init_adapter(self, init_info: WeightSyncInitInfo) -> None:
         """A LoRA adapter's versions: the base weights stay as served; this host's first
@@ -280,7 +308,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
-        if self.adapter is None:
+        if self.adapter is None and self.remote is None:
             self._receiver()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -296,33 +324,55 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         if self.adapter is not None:
             self._receive_adapter(update_info.version, update_info.timeout)
             return
-        receiver = self._receiver()
         version = update_info.version
         if self.remote is not None:
-            self._receive_remote(receiver, version, update_info.timeout)
+            self._receive_remote(version, update_info.timeout, update_info.stage)
             return
+        receiver = self._receiver()
         if version is None:
             version = receiver.newest_committed()
             if version is None:
                 return
         apply_exact(receiver, version, update_info.timeout)
 
-    def _receive_remote(self, receiver: VLLMDoubleBufferWeightReceiver, version: int | None,
-                        timeout: float | None) -> None:
+    def _start_staging(self, remote: WeightSyncInitInfo, version: int, *,
+                       new_session: bool = False) -> None:
+        """In-flight: this host's receiver (local rank 0) starts fetching and staging
+        ``version`` in the background; the other ranks have nothing to do yet."""
+        if not _is_host_receiver():
+            return
+        if self.host is None:
+            self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
+                                     remote.timeout)
+        self.host.stage_in_background(_trainer(remote), remote.token, version,
+                                      request_key(remote.token, f"version/{version}"),
+                                      remote.timeout, new_session=new_session)
+
+    def _receive_remote(self, version: int | None, timeout: float | None, stage: bool) -> None:
         """The network path: this host's receiver fetches the trainer's ``version`` and
-        stages it; every rank then loads exactly that staged version."""
+        stages it (in the background when it was asked to ``stage`` it before); every rank
+        then loads exactly that staged version."""
         remote = self.remote
         assert remote is not None
         if version is None:
             raise ValueError("the weightsync network path needs update_info {'version': v} "
                              "(the weightsync trainer engine sends it)")
+        if stage:
+            self._start_staging(remote, version)
+            return
         timeout = remote.timeout if timeout is None else timeout
+        where = f"vLLM worker {self.worker_idx} on {self.host_label}"
         key = request_key(remote.token, f"version/{version}")
         if self.host is not None:
-            local = self.host.stage(_trainer(remote), remote.token, version, key, timeout)
+            local = self.host.staged(key, timeout)
+            if local is None:  # not staged in the background: fetch it now
+                local = self.host.stage(_trainer(remote), remote.token, version, key, timeout)
         else:
-            local = wait_staged(self.staging, key, timeout,
-                                f"vLLM worker {self.worker_idx} on {self.host_label}")
+            local = wait_staged(self.staging, key, timeout, where)
+        receiver = self.receiver
+        if receiver is None:  # an in-flight init: the first version it staged
+            receiver = self.receiver = self._attach(str(self.staging), self._local_ranks(),
+                                                    remote.timeout, remote.address)
         apply_exact(receiver, local, timeout)
 
     def finish_weight_update(self) -> None:

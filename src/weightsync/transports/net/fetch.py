@@ -86,8 +86,8 @@ class VersionFetcher:
         self._decoder: DeltaDecoder | None = None
         self._spare: torch.Tensor | None = None  # the buffer of the base before last
 
-    def fetch(self, address: str, credential: str, want: int | None, timeout: float | None
-              ) -> PackedVersion:
+    def fetch(self, address: str, credential: str, want: int | None, timeout: float | None,
+              commit: Callable[[PackedVersion], None] | None = None) -> PackedVersion:
         """Version ``want`` (None: the trainer's current one), verified, within one deadline
         of ``timeout`` seconds from this call's start. ``credential``: this host's, as the
         trainer made it (:func:`~.handshake.host_credential`). Raises ``SenderLostError``
@@ -95,20 +95,25 @@ class VersionFetcher:
         chunk fails its MAC or checksum, ``WeightSyncTimeoutError`` once the deadline
         passes, ``WeightSyncError`` if the trainer has no such version; the base is then
         unchanged. A delta that does not rebuild the trainer's chunk (a damaged base) is
-        fetched again whole at once, within the same deadline."""
+        fetched again whole at once, within the same deadline. ``commit(version)``: run
+        once the version is verified and before the trainer is told it arrived (e.g. stage
+        it), so the trainer's verdict means "staged"; if it raises, the trainer is told
+        why and the base is unchanged."""
         deadline = Deadline(timeout)
         try:
-            return self._fetch_once(address, credential, want, deadline, offer_base=True)
+            return self._fetch_once(address, credential, want, deadline, offer_base=True,
+                                    commit=commit)
         except _BadDelta as exc:
             self.whole_refetches += 1
             logger.info("host %s: %s; fetching version %s again, whole, at once", self.name,
                         exc, want if want is not None else "(current)")
             return self._fetch_once(address, credential, want, deadline, offer_base=False,
                                     whole=f"a delta against its base did not rebuild the "
-                                          f"trainer's chunk ({exc})")
+                                          f"trainer's chunk ({exc})", commit=commit)
 
     def _fetch_once(self, address: str, credential: str, want: int | None, deadline: Deadline,
-                    offer_base: bool, whole: str | None = None) -> PackedVersion:
+                    offer_base: bool, whole: str | None = None,
+                    commit: Callable[[PackedVersion], None] | None = None) -> PackedVersion:
         host, port = split_address(address)
         asked = want if want is not None else "(current)"
         try:
@@ -123,7 +128,8 @@ class VersionFetcher:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 seal = prove_to_trainer(sock, credential, self.name, deadline)
-                return self._receive(sock, seal, address, want, deadline, offer_base, whole)
+                return self._receive(sock, seal, address, want, deadline, offer_base, whole,
+                                     commit)
             except DeadlinePassed as exc:
                 raise self._late(address, asked, deadline, str(exc)) from None
             except (ProtocolError, OSError) as exc:
@@ -140,7 +146,8 @@ class VersionFetcher:
             "the version it held")
 
     def _receive(self, sock: socket.socket, seal: Seal, address: str, want: int | None,
-                 deadline: Deadline, offer_base: bool, whole: str | None) -> PackedVersion:
+                 deadline: Deadline, offer_base: bool, whole: str | None,
+                 commit: Callable[[PackedVersion], None] | None) -> PackedVersion:
         base = self.base if offer_base else None
         held = None if base is None else {"session": self.base_session, "version": base.version,
                                           "fingerprint": base.fingerprint}
@@ -214,6 +221,16 @@ class VersionFetcher:
                                    "is refused and this host keeps the one it held")
         packed = PackedVersion(version, entries, out, regions=regions, shapes=shapes,
                                metadata=metadata)
+        if commit is not None:
+            try:
+                commit(packed)
+            except Exception as exc:  # the trainer hears why; the caller gets the error
+                message = (f"host {self.name} could not stage version {version}: "
+                           f"{type(exc).__name__}: {exc}")
+                self._refuse(sock, seal, IntegrityError, message)
+                if isinstance(exc, (ProtocolError, OSError)):  # not the connection's fault
+                    raise WeightSyncError(message) from exc
+                raise
         if self.base is not None:
             self._spare = self.base.buffer  # callers are done with a version once they fetch again
         self.base, self.base_session, self.last_kinds = packed, session, kinds

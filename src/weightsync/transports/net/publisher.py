@@ -56,6 +56,8 @@ class StreamFigures:
     error: str | None = None
     #: why the version went whole to this host (None: as deltas, or delta is off)
     whole_reason: str | None = None
+    #: the id whose credential the host proved (e.g. ``server0``)
+    peer_id: str = ""
 
 
 #: what the listener hands a connection whose request is ``{"join": ...}`` (a worker's
@@ -157,6 +159,27 @@ class VersionPublisher:
                 self._cond.wait(left)
             return list(self._figures.get(version, []))
 
+    def streams_ended(self, version: int, peer_id: str) -> int:
+        """How many streams of ``version`` to ``peer_id``'s host have ended so far."""
+        with self._cond:
+            return sum(1 for f in self._figures.get(version, []) if f.peer_id == peer_id)
+
+    def wait_stream(self, version: int, peer_id: str, timeout: float, after: int = 0
+                    ) -> StreamFigures | None:
+        """The figures of the next stream of ``version`` to the host that proved
+        ``peer_id``'s credential to end after the first ``after`` (its verdict in: staged,
+        or why not); None if none ended within ``timeout``."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                ended = [f for f in self._figures.get(version, []) if f.peer_id == peer_id]
+                if len(ended) > after:
+                    return ended[after]
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -205,7 +228,8 @@ class VersionPublisher:
                 send_frame(conn, {"error": f"the trainer has no version {request.get('want')} "
                                            f"(its current version is {current})"}, seal)
                 return
-            figures = StreamFigures(host, packed.version, whole_reason=whole)
+            figures = StreamFigures(host, packed.version, whole_reason=whole,
+                                    peer_id=name.split(" ", 1)[0])
             if whole is not None:
                 logger.info("host %s gets version %d whole: %s", host, packed.version, whole)
             with self._cond:
