@@ -178,9 +178,11 @@ def test_the_in_flight_stall_is_the_longest_silence_around_an_update():
     assert longest_stall(arrivals, 1.2, 1.3) == pytest.approx(1.9)  # 1.1 -> 3.0
     figures = InFlight("1gbit", 400_000_000, baseline_p99_gap=0.05, baseline_tps=100.0,
                        stalls={"full": [0.2, 0.3]}, takes={"full": [0.15]},
+                       phases={"full": {"load": [0.1], "resume": [0.01]}},
                        sends={"full": [2.0]}, tps={"full": 95.0}, memcpy=0.05)
     table = in_flight_table([figures])
-    assert "| 1gbit | full | 250 ms / 300 ms | 300 ms | 150 ms | 3.0 |" in table, table
+    row = "| 1gbit | full | 250 ms / 300 ms | 300 ms | 150 ms | 3.0 | load 100 ms, resume 10.0 ms |"
+    assert row in table, table
     assert "0.95 |" in table
 
 

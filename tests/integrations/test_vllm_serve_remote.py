@@ -220,6 +220,7 @@ def test_a_trainer_killed_mid_version_leaves_the_server_serving_its_last(
     expected = vm.build_model()
     vm.perturb(expected, 1)
     assert server.weight_version() == label  # version 2 never finished
+    assert not server.is_paused()  # never paused: its stage failed
     assert greedy(server) == _bf16_greedy(expected)
     # the next update names the lost trainer (vLLM answers 500; its log has the cause)
     server.post("start_weight_update")
@@ -271,6 +272,7 @@ def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server:
         assert time.monotonic() - started < 60
         assert server.weight_version() == str(first + 1)
         assert greedy(server) == _bf16_greedy(trainer)
+        assert not server.is_paused()  # its take resumed it
         second_server.kill(signal.SIGKILL)
         second_server.stop()
         second_server.start().wait_ready()

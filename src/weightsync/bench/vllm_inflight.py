@@ -120,6 +120,8 @@ class InFlight:
     baseline_tps: float = 0.0
     stalls: dict[str, list[float]] = field(default_factory=dict)
     takes: dict[str, list[float]] = field(default_factory=dict)
+    #: per update kind, each step of the takes (pause, load, label, reset, resume)
+    phases: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     sends: dict[str, list[float]] = field(default_factory=dict)
     tps: dict[str, float] = field(default_factory=dict)
     memcpy: float = 0.0
@@ -169,6 +171,9 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], fl
                     windows.append((started, time.perf_counter()))
                     last = engine.stats()["last"]
                     out.takes.setdefault(kind, []).extend(last["take_seconds"].values())
+                    for steps in last["take_phases"].values():
+                        for name, seconds in steps.items():
+                            out.phases.setdefault(kind, {}).setdefault(name, []).append(seconds)
                     out.sends.setdefault(kind, []).append(windows[-1][1] - started)
                 time.sleep(1.0)
             out.staging_bytes = max(out.staging_bytes, _staging_bytes(server))
@@ -184,8 +189,8 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], fl
 def in_flight_table(figures: list[InFlight]) -> str:
     """The in-flight figures of every rate, one row per update kind."""
     lines = ["| link | update | longest stall per update: median / max | target | take: "
-             "median | x memcpy | send_weights: median | tokens/s x no updates |",
-             "|" + "---|" * 8]
+             "median | x memcpy | take's steps: median | send_weights: median | "
+             "tokens/s x no updates |", "|" + "---|" * 9]
     for f in figures:
         target = 0.25 + f.baseline_p99_gap
         for kind, stalls in f.stalls.items():
@@ -195,7 +200,9 @@ def in_flight_table(figures: list[InFlight]) -> str:
                 f"| {f.rate} | {kind} | {format_duration(statistics.median(stalls))} / "
                 f"{format_duration(max(stalls))} | {format_duration(target)} | "
                 f"{format_duration(take)} | {take / f.memcpy:.1f} | "
-                f"{format_duration(statistics.median(f.sends[kind]))} | "
+                + ", ".join(f"{name} {format_duration(statistics.median(values))}"
+                            for name, values in f.phases.get(kind, {}).items())
+                + f" | {format_duration(statistics.median(f.sends[kind]))} | "
                 f"{f.tps[kind] / f.baseline_tps:.2f} |")
     notes = [f"{f.rate}: baseline p99 gap between tokens {format_duration(f.baseline_p99_gap)}, "
              f"{f.baseline_tps:.1f} tokens/s with no update; memcpy of the {f.served_bytes / 1e6:.0f}"

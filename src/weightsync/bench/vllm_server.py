@@ -132,6 +132,14 @@ class VLLMServer:
         reply.raise_for_status()
         return reply.json()
 
+    def is_paused(self) -> bool:
+        """Whether the server's generation is paused (vLLM's ``/is_paused``)."""
+        import requests
+
+        reply = requests.get(f"{self.url}/is_paused", timeout=10)
+        reply.raise_for_status()
+        return bool(reply.json()["is_paused"])
+
     def weight_version(self) -> str | None:
         import requests
 

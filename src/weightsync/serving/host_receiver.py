@@ -179,7 +179,8 @@ class HostReceiver:
                     self.fetcher.fetch(address, token, want, timeout, commit=lambda packed: commit(
                         packed.version, packed.tensors(), packed.metadata))
                 else:
-                    commit(*self.sharded.fetch(address, token, want, timeout), {})
+                    self.sharded.fetch(address, token, want, timeout, commit=lambda version,
+                                       tensors: commit(version, tensors, {}))
             except Exception as exc:
                 self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
                 raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,11 +86,21 @@ def wait_staged(publisher: VersionPublisher, index: int, url: str, version: int,
 
 
 def take(client: Any, url: str, version: int, label: str, session: str, pause: str,
-         deadline: Deadline, after_load: Callable[[], None]) -> None:
+         deadline: Deadline, after_load: Callable[[], None]) -> dict[str, float]:
     """Server ``url`` loads the staged ``version`` inside vLLM's pause, labels it
     ``label`` and runs ``after_load`` (empty the prefix cache) before it resumes; a load
-    that fails leaves the label as it was, and the server resumes in every case."""
+    that fails leaves the label as it was, and the server resumes in every case. Returns
+    the seconds of each step (``pause``, ``load``, ``label``, ``reset``, ``resume``)."""
+    phases: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name], mark = now - mark, now
+
     post(url, "pause", left(deadline), mode=pause)
+    lap("pause")
     try:
         client.start_weight_update()
         try:
@@ -99,7 +110,12 @@ def take(client: Any, url: str, version: int, label: str, session: str, pause: s
             with contextlib.suppress(Exception):
                 client.finish_weight_update()  # end the server's update session, unlabelled
             raise
+        lap("load")
         client.finish_weight_update(weight_version=label)
+        lap("label")
         after_load()
+        lap("reset")
     finally:
         post(url, "resume", max(left(deadline), 5.0))
+        lap("resume")
+    return phases

@@ -54,9 +54,9 @@ class Servers:
         self.needs_init: set[int] = set()  # servers to initialise again (they failed)
         self.round_inits: list[int] = []  # servers initialised during the round under way
         self.pack_seconds = 0.0  # how long the version under way took to pack
-        #: per server URL, how long its in-flight take (pause to resume) of the version under
-        #: way stopped it
-        self.round_takes: dict[str, float] = {}
+        #: per server URL, the seconds of each step of its in-flight take of the version
+        #: under way (pause, load, label, reset, resume: how long it stopped generating)
+        self.round_takes: dict[str, dict[str, float]] = {}
         self._stats: list[dict[str, Any]] = []
         self._whole_streams = 0
 
@@ -114,10 +114,9 @@ class Servers:
             client.update_weights({"version": version, "session": self.session, "stage": True})
             client.finish_weight_update()
         wait_staged(publisher, index, url, version, after, deadline)
-        started = time.perf_counter()
-        take(client, url, version, self.label(version), self.session, self.pause, deadline,
-             lambda: self.reset_prefix_cache(client, version))
-        self.round_takes[url] = time.perf_counter() - started
+        self.round_takes[url] = take(client, url, version, self.label(version), self.session,
+                                     self.pause, deadline,
+                                     lambda: self.reset_prefix_cache(client, version))
 
     def point_adapter(self, index: int, client: Any, version: int) -> None:
         """Adapter mode: point the adapter's name on server ``index`` at ``version``."""
@@ -235,8 +234,9 @@ class Servers:
             # hosts that got this version whole though delta is on, and why
             "whole": {f.host: f.whole_reason for f in streams if f.whole_reason},
             "failed": {name: str(exc) for name, exc in errors.items()},
-            # in flight: how long each server stopped generating for its take
-            "take_seconds": dict(self.round_takes),
+            # in flight: how long each server stopped generating for its take, and its steps
+            "take_seconds": {url: sum(p.values()) for url, p in self.round_takes.items()},
+            "take_phases": {url: dict(p) for url, p in self.round_takes.items()},
         })
         self._whole_streams += sum(1 for f in streams if f.whole_reason)
         del self._stats[:-64]

@@ -95,13 +95,20 @@ class ShardedMode:
                 servers.needs_init = set(range(len(servers.clients)))
                 self.addresses = addresses
             if what == "init":
-                servers.needs_init = set()  # each server is initialised now (failures: again)
-                servers.each_server("init", version, self._init_server, lambda: None, publisher)
-            else:
-                def update(index: int, client: Any) -> None:
+                servers.needs_init = set(range(len(servers.clients)))  # (failures: again)
+
+            def update(index: int, client: Any) -> None:
+                if servers.in_flight(client):  # rank 0's verdict means the host staged it
+                    info = self._init_info(index) if index in servers.needs_init else None
+                    servers.needs_init.discard(index)  # a failure puts it back
+                    servers.bring_in_flight(index, client, version, publisher, info)
+                elif what == "init":
+                    servers.needs_init.discard(index)
+                    self._init_server(index, client)
+                else:
                     servers.update_server(index, client, version, init=self._init_server)
 
-                servers.each_server("update", version, update, lambda: None, publisher)
+            servers.each_server(what, version, update, lambda: None, publisher)
 
         try:
             self.lead.send(flat, version, deadline, deliver)
@@ -109,14 +116,17 @@ class ShardedMode:
             if asked:
                 self._next = version + 1
 
-    def _init_server(self, index: int, client: Any) -> None:
-        """Have a server's host fetch the current version from every rank and each of its
-        ranks load it."""
+    def _init_info(self, index: int) -> dict[str, Any]:
         assert self.lead is not None
         info = server_init_info(self.lead.own.publisher.address, self.token, index,
                                 self.config.send.timeout)
         info["addresses"] = list(self.addresses)
-        self.servers.init_server(index, client, info, self.version)
+        return info
+
+    def _init_server(self, index: int, client: Any) -> None:
+        """Have a server's host fetch the current version from every rank and each of its
+        ranks load it."""
+        self.servers.init_server(index, client, self._init_info(index), self.version)
         self.servers.label_server(client, self.version)
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -281,22 +281,36 @@ class ShardedFetcher:
         self._fetchers: dict[int, VersionFetcher] = {}
 
     def fetch(self, addresses: Sequence[str], token: str, want: int | None,
-              timeout: float) -> tuple[int, dict[str, torch.Tensor]]:
+              timeout: float, commit: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+              ) -> tuple[int, dict[str, torch.Tensor]]:
         """Version ``want`` (None: the ranks' current one) from every rank, verified and put
-        together: ``(version, name -> global tensor)``."""
+        together: ``(version, name -> global tensor)``. ``commit(version, tensors)``: run
+        once every part arrived, before rank 0 hears its part did (so rank 0's verdict means
+        "staged"); if it raises, rank 0 is told why."""
         for rank in [r for r in self._fetchers if r >= len(addresses)]:
             del self._fetchers[rank]
         fetchers = [self._fetchers.setdefault(r, VersionFetcher(f"{self.name} <- trainer rank {r}"))
                     for r in range(len(addresses))]
+        futures: list[Future[PackedVersion]] = []
+        whole: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+        def put_together(first: PackedVersion) -> None:  # in rank 0's fetch, before its verdict
+            parts = [first, *(f.result() for f in futures[1:])]
+            versions = {p.version for p in parts}
+            if len(versions) != 1:
+                raise WeightSyncError(f"host {self.name}: the trainer ranks serve different "
+                                      f"versions {sorted(versions)}; ask for one by number")
+            whole.append((versions.pop(), assemble(parts, self.name)))
+            if commit is not None:
+                commit(*whole[0])
+
         with ThreadPoolExecutor(len(addresses), thread_name_prefix="weightsync-net-fetch") as pool:
-            futures = [pool.submit(f.fetch, a, token, want, timeout)
-                       for f, a in zip(fetchers, addresses, strict=True)]
-            parts = [f.result() for f in futures]
-        versions = {p.version for p in parts}
-        if len(versions) != 1:
-            raise WeightSyncError(f"host {self.name}: the trainer ranks serve different "
-                                  f"versions {sorted(versions)}; ask for one by number")
-        return versions.pop(), assemble(parts, self.name)
+            for rank, (fetcher, address) in enumerate(zip(fetchers, addresses, strict=True)):
+                futures.append(pool.submit(fetcher.fetch, address, token, want, timeout,
+                                           put_together if rank == 0 else None))
+            for future in futures:
+                future.result()
+        return whole[0]
 
     @property
     def last_kinds(self) -> dict[str, int]:
