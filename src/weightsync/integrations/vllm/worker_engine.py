@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from weightsync.core.checks import checked_int
+from weightsync.core.checksum import accelerated as checksum_accelerated
 from weightsync.core.deadline import checked_timeout, required_timeout
 from weightsync.core.errors import WeightSyncError
 from weightsync.integrations.vllm.extension import apply_exact, engine_directory
@@ -204,6 +206,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             return
         idx = self.worker_idx
         if init_info.stage_version is not None:
+            # the checksum kernels compile once per process (~0.5-1 s): here, not in a take
+            threading.Thread(target=checksum_accelerated, daemon=True,
+                             name="weightsync-warm-checksums").start()
             self._start_staging(init_info, init_info.stage_version, new_session=True)
             self.remote = init_info
             logger.info("worker %d: staging version %d of %s in the background", idx,
