@@ -69,7 +69,7 @@ def post(url: str, route: str, timeout: float, **params: str) -> None:
                               f"{reply.text[:1000]}")
 
 
-def wait_staged(publisher: VersionPublisher, index: int, url: str, version: int, after: int,
+def wait_host_staged(publisher: VersionPublisher, index: int, url: str, version: int, after: int,
                 deadline: Deadline) -> None:
     """Wait until server ``index``'s host staged ``version`` (its verdict on the stream
     that ended after the first ``after``), or raise naming the server; it keeps serving

@@ -59,11 +59,13 @@ class NetworkMode:
 
         def init(index: int, client: Any) -> None:
             if servers.in_flight(client):
-                servers.bring_in_flight(index, client, 0, publisher, mode._init_info(index))
+                servers.bring_in_flight(index, client, 0, publisher, mode._init_info)
                 return
+            servers.needs_init.discard(index)
             mode._init_server(index, client)
             servers.point_adapter(index, client, 0)
 
+        servers.needs_init = set(range(len(servers.clients)))  # each server's init (failed: again)
         try:
             packed = mode._publish(weights)
             servers.each_server("init", 0, init, lambda: mode._fill(packed, weights), publisher)
@@ -85,9 +87,7 @@ class NetworkMode:
             servers = self.servers
             if servers.in_flight(client):
                 assert self.publisher is not None
-                info = self._init_info(index) if index in servers.needs_init else None
-                servers.needs_init.discard(index)  # a failure puts it back
-                servers.bring_in_flight(index, client, version, self.publisher, info)
+                servers.bring_in_flight(index, client, version, self.publisher, self._init_info)
                 return
             servers.update_server(index, client, version, init=self._init_server)
 

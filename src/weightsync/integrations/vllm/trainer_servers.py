@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import TrainerSessionEndedError, WeightSyncError, WeightSyncTimeoutError
-from weightsync.integrations.vllm.server_take import served_label, server_url, take, wait_staged
+from weightsync.integrations.vllm.server_take import (
+    served_label,
+    server_url,
+    take,
+    wait_host_staged,
+)
 from weightsync.serving.sessions import ONE_TRAINER
 from weightsync.transports.net.publisher import StreamFigures, VersionPublisher, figures_dict
 
@@ -97,23 +102,26 @@ class Servers:
         return self.adapter is None and server_url(client) is not None
 
     def bring_in_flight(self, index: int, client: Any, version: int,
-                        publisher: VersionPublisher, init_info: dict[str, Any] | None) -> None:
-        """Server ``index`` stages ``version`` in the background (``init_info``: with its
-        init, a new or failed server's), keeps generating until its host staged it, then
-        takes it inside vLLM's pause, labelled; all within the engine's timeout."""
+                        publisher: VersionPublisher,
+                        init_info: Callable[[int], dict[str, Any]]) -> None:
+        """Server ``index`` stages ``version`` in the background (with its init, from
+        ``init_info(index)``, if it is new or failed: ``needs_init``), keeps generating
+        until its host staged it, then takes it inside vLLM's pause, labelled; all within
+        the engine's timeout."""
         deadline = Deadline(self.timeout)
         url = server_url(client)
         assert url is not None
         after = publisher.streams_ended(version, f"server{index}")
-        if init_info is not None:
+        if index in self.needs_init:
+            self.needs_init.discard(index)  # a failure puts it back (each_server)
             # its one stream of the version (no other follows at the take)
             client.init_weight_transfer_engine(
-                {**init_info, "session": self.session, "stage_version": version})
+                {**init_info(index), "session": self.session, "stage_version": version})
         else:
             client.start_weight_update()
             client.update_weights({"version": version, "session": self.session, "stage": True})
             client.finish_weight_update()
-        wait_staged(publisher, index, url, version, after, deadline)
+        wait_host_staged(publisher, index, url, version, after, deadline)
         self.round_takes[url] = take(client, url, version, self.label(version), self.session,
                                      self.pause, deadline,
                                      lambda: self.reset_prefix_cache(client, version))

@@ -99,9 +99,7 @@ class ShardedMode:
 
             def update(index: int, client: Any) -> None:
                 if servers.in_flight(client):  # rank 0's verdict means the host staged it
-                    info = self._init_info(index) if index in servers.needs_init else None
-                    servers.needs_init.discard(index)  # a failure puts it back
-                    servers.bring_in_flight(index, client, version, publisher, info)
+                    servers.bring_in_flight(index, client, version, publisher, self._init_info)
                 elif what == "init":
                     servers.needs_init.discard(index)
                     self._init_server(index, client)
