@@ -10,6 +10,7 @@ labels continue above the first's."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -114,10 +115,14 @@ def _send(engine: Any, trainer: Any, models: dict[str, Any]) -> str:
     return str(label)
 
 
-def test_streams_keep_generating_and_every_token_names_its_weights(server: VLLMServer):
+def test_streams_keep_generating_and_every_token_names_its_weights(
+        hosts: TwoHostCluster, server: VLLMServer):
+    """Over a link capped at 1 Gb/s (tc), so a version takes real time on the wire."""
     models: dict[str, Any] = {"default": vm.build_model(seed=0)}  # what the server booted with
     trainer = vm.build_model(seed=0)
-    with Streams(server.url) as streams:
+    hosts.shape_link("1gbit")
+    with contextlib.ExitStack() as shaped, Streams(server.url) as streams:
+        shaped.callback(hosts.unshape_link)
         time.sleep(1.0)  # requests running before the first session's init
         sessions: list[list[str]] = []
         for delta in (False, True):
