@@ -213,7 +213,57 @@ def in_full_tier(nodeid: str) -> bool:
         nodeid.startswith(module) and piece in nodeid for module, piece in FULL_TIER_CASES)
 
 
+# ---------------------------------------------------------------------- parallel lanes
+#: `scripts/run.sh` runs the suite on two pytest-xdist workers (``-n 2 --dist loadscope``):
+#: on two cores a single run leaves one idle most of the time (its processes mostly wait on
+#: each other). Work is handed out by lane (:class:`LaneScheduling`): each module is a lane
+#: of its own, run whole by one worker, so its module-scoped clusters and servers start
+#: once. The modules below share the "vllm" lane: they use the session's shared vLLM engine
+#: (``served``, tests/integrations/conftest.py), which then starts once, not once per worker.
+VLLM_LANE: tuple[str, ...] = (
+    "tests/integrations/test_torchrl_llm.py",
+    "tests/integrations/test_vllm_backend.py",
+    "tests/integrations/test_vllm_extension.py",
+    "tests/integrations/test_vllm_sharded_trainer.py",
+)
+#: Tests that measure against the clock or against the whole machine (an accept flood under
+#: a low open-file limit, a thousand tear-free reads while ranks write flat out, nothing new
+#: left in /dev/shm): `scripts/run.sh` runs them after the parallel part, alone.
+SERIAL: tuple[tuple[str, str], ...] = (
+    ("tests/transports/test_local_listener.py", "accept_flood"),
+    ("tests/transports/test_net_listener.py", "accept_flood"),
+    ("tests/schemes/test_local_schemes.py", "leave_nothing_behind"),
+    ("tests/schemes/test_local_schemes.py", "hammer"),
+    ("tests/faults/test_sharded_shm_faults.py", "as_fast_as_they_can"),
+    ("tests/faults/test_sharded_directory_faults.py", "test_killed_rank"),
+)
+
+
+def lane(nodeid: str) -> str:
+    """The lane of a test: its module, or the shared lane its module belongs to."""
+    module = nodeid.split("::", 1)[0]
+    return "vllm" if module.startswith(VLLM_LANE) else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` hands out lanes (pytest-xdist's own ``loadgroup`` cannot group
+    under pytest 9, which ignores the node ids it rewrites)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return LaneScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if in_full_tier(item.nodeid):
             item.add_marker(pytest.mark.full)
+        if any(item.nodeid.startswith(module) and piece in item.nodeid
+               for module, piece in SERIAL):
+            item.add_marker(pytest.mark.serial)

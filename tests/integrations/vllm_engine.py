@@ -22,6 +22,21 @@ def vllm_or_skip() -> Any:
     return vllm
 
 
+def mapped_shm() -> set[str]:
+    """The names of the /dev/shm files that some live process maps."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/")
+            if at >= 0:
+                names.add(line[at + len("/dev/shm/"):].split(" ", 1)[0])
+    return names
+
+
 def shm_dir(prefix: str) -> Path:
     """A fresh directory in /dev/shm (or the temp dir where there is none)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -63,9 +78,11 @@ def shutdown_engine(llm: Any, engine_procs: set[Any], timeout: float = 60.0) -> 
     for proc in alive:  # never leave a process behind, even when the test fails
         proc.kill()
     # vLLM's CPU build shares tensor-parallel buffers through /dev/shm segments that its
-    # killed workers never unlink: remove them, so nothing outlives the run
+    # killed workers never unlink: remove them, so nothing outlives the run (those a live
+    # process maps are another engine's, running in the other test worker)
+    mapped = mapped_shm()
     for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-        if name.startswith("vllm_dist_"):
+        if name.startswith("vllm_dist_") and name not in mapped:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join("/dev/shm", name))
     assert not alive, f"vLLM processes outlived the engine: {[p.pid for p in alive]}"
