@@ -13,7 +13,7 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SchemaMismatchError, TrainerRankLostError
 from weightsync.core.layout import Layout, TensorSpec
-from weightsync.transports.ranks.lead import RankLead
+from weightsync.transports.ranks.lead import LeadRound, RankLead
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
 
@@ -88,16 +88,12 @@ def hello(rank: int = 1, layout: Layout = LAYOUT, regions: dict | None = None) -
 
 
 def lead_send(lead: RankLead, version: int, timeout: float) -> int:
-    """What a transport's rank 0 does for one version."""
-    try:
-        lead.meet(LAYOUT, HALF[0], version, Deadline(timeout))
-        plan = lead.begin(version, {"slot": 1})
-        lead.wait_done(plan, Deadline(timeout))
-    except BaseException as exc:
-        lead.fail(version, exc)
-        raise
-    lead.commit()
-    return version
+    """What a transport's rank 0 does for one version: the whole round, writing nothing."""
+    def body(round_: LeadRound) -> int:
+        round_.write({"slot": 1}, lambda plan: None)
+        return version
+
+    return lead.run(version, Deadline(timeout), lambda: (LAYOUT, HALF[0]), body)
 
 
 def in_thread(fn, *args):
