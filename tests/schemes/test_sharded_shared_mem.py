@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from shm_ranks import Ranks, tiny_model
+from rank_harness import TrainingRanks, tiny_model
 
 import weightsync as ws
 
@@ -45,7 +45,7 @@ def test_workers_hold_the_gathered_model_after_every_send(world, how):
     receivers = [scheme.create_receiver(0), scheme.create_receiver(1, zero_copy=True)]
     for receiver, model in zip(receivers, models, strict=True):
         receiver.register_model(model)
-    ranks = Ranks(scheme, world, how=how, steps=3)
+    ranks = TrainingRanks(scheme, world, how=how, steps=3)
     try:
         threads, errors = connect_all(receivers)
         first = ranks.next(0)

@@ -13,10 +13,10 @@ import signal
 import time
 from pathlib import Path
 
-import net_ranks
 import pytest
+import rank_harness as net_ranks
 import torch
-from sharded_ranks import free_port
+from rank_harness import free_port
 
 import weightsync as ws
 from weightsync.core.deadline import Deadline
@@ -33,7 +33,7 @@ TIMEOUT = 20.0
 def _read_staged(directory: Path, local: int) -> dict[str, torch.Tensor]:
     """What a worker loads of the staged version ``local``."""
     model = {"bias": torch.zeros(5, dtype=torch.bfloat16),
-             "matrix": torch.zeros(net_ranks.ROWS, net_ranks.COLS, dtype=torch.bfloat16)}
+             "matrix": torch.zeros(net_ranks.NET_ROWS, net_ranks.NET_COLS, dtype=torch.bfloat16)}
     receiver = VLLMDoubleBufferSyncScheme(directory, num_workers=1, timeout=10).create_receiver(0)
     receiver.register_model(model)
     receiver.connect(timeout=10)
