@@ -138,6 +138,7 @@ class RayLeadWriter(RayWriter):
         self.board = RayLeadBoard(self.members, trainer_ranks, rank_key)
         self.lead = RankLead(self.board, trainer_ranks)
         self._pieces: list[Any] = []
+        self._own: dict[str, list[int]] = {}  # the regions of rank 0's pieces
         self._own_error: str | None = None
         self._built_for: dict[int, str] = {}  # the rank incarnations the group was built with
 
@@ -154,7 +155,8 @@ class RayLeadWriter(RayWriter):
             self.members.take_announcements(deadline)
             self._prepare(layout)
             self._pieces = local_pieces(flat, 0)
-            return layout, describe_regions(self._pieces)
+            self._own = describe_regions(self._pieces)
+            return layout, self._own
 
         try:
             dead = self.lead.run(version, deadline, model,
@@ -171,8 +173,7 @@ class RayLeadWriter(RayWriter):
         return dead
 
     def _round(self, round_: LeadRound, layout: Layout, requested: list[int]) -> Losses:
-        members, version, deadline = self.members, round_.version, round_.deadline
-        own = describe_regions(self._pieces)
+        members, version, deadline, own = self.members, round_.version, round_.deadline, self._own
         dead, silent = self._group(layout, own, version, deadline)
         assert members.group is not None
         regions = {0: own} | {r: h.regions for r, h in self.board.hellos().items()}

@@ -63,9 +63,9 @@ class RayMemberBoard:
         self._tried_generation = 0  # the newest generation this rank tried to join
         self._snapshot: dict[str, Any] = {}
 
-    def find(self, deadline: Deadline) -> int:
+    def start(self, deadline: Deadline) -> int:
         """Find rank 0's rendezvous actor (rank 0 may start later); returns the newest
-        version committed."""
+        version committed (a rank that joins late continues from there)."""
         while True:
             try:
                 self.actor = self._ray.get_actor(self.rendezvous_name, namespace=self.namespace)
@@ -178,11 +178,6 @@ class RayMemberBoard:
             self.group = None
 
     # ------------------------------------------------------------------ as the member's plane
-    def start(self, deadline: Deadline) -> int:
-        """Find rank 0's rendezvous actor; a rank that joins late continues from the newest
-        version committed."""
-        return self.find(deadline)
-
     def writer(self, pieces: list[ShardPiece], layout: Layout, deadline: Deadline
                ) -> Callable[[Plan], dict[str, Any]]:
         """Stream ``pieces`` to every relay actor of the generation a plan names; the done
