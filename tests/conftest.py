@@ -188,6 +188,7 @@ FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     ("tests/transports/test_net_sharded.py", "test_a_lost_rank_fails"),
     ("tests/transports/test_net_sharded.py", "test_a_rank_that_dies_while"),
     ("tests/transports/test_net_sharded.py", "test_a_rank_that_stalls_while"),
+    ("tests/transports/test_net_sharded.py", "test_a_server_that_fails"),
     # the vLLM trainer engine with two ranks (~30 s: a second rank process imports vLLM)
     ("tests/integrations/test_vllm_backend_sharded.py", "test_two_engine_ranks"),
     ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray

@@ -214,3 +214,28 @@ def test_the_lead_names_a_missing_a_lost_and_a_restarted_rank_early():
         board.post_hello(hello())
         lead.wait_done(plan, Deadline(1))
     assert restarted.value.rank == 1 and len(board.plans()) == plan_count + 1
+
+
+def test_the_round_posts_a_failure_of_the_medium_and_raises_it():
+    """``RankLead.run``: an exception in the medium's body (after every rank wrote) is the
+    attempt's failure on every rank, and rank 0 raises it; the next round takes the same
+    version number."""
+    board = MemoryBoard()
+    lead = RankLead(board, 2)
+    member = RankMember(board, 1)
+    member.announce(hello())
+    written: list[int] = []
+    thread, box = in_thread(member_send, member, 0, 5.0, written)
+
+    def body(round_: LeadRound) -> None:
+        round_.write({"slot": 1}, lambda plan: None)
+        raise IntegrityError("the medium could not publish")
+
+    with pytest.raises(IntegrityError, match="could not publish"):
+        lead.run(0, Deadline(5.0), lambda: (LAYOUT, HALF[0]), body)
+    thread.join(5)
+    assert written == [0] and "could not publish" in str(box["error"])
+    thread, box = in_thread(member_send, member, 0, 5.0, written)
+    assert lead_send(lead, 0, 5.0) == 0
+    thread.join(5)
+    assert box["value"] == 0 and written == [0, 0]
