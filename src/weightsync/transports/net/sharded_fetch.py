@@ -35,11 +35,11 @@ class ShardedFetcher:
             del self._fetchers[rank]
         fetchers = [self._fetchers.setdefault(r, VersionFetcher(f"{self.name} <- trainer rank {r}"))
                     for r in range(len(addresses))]
-        futures: list[Future[PackedVersion]] = []
+        futures: dict[int, Future[PackedVersion]] = {}
         whole: list[tuple[int, dict[str, torch.Tensor]]] = []
 
         def put_together(first: PackedVersion) -> None:  # in rank 0's fetch, before its verdict
-            parts = [first, *(f.result() for f in futures[1:])]
+            parts = [first, *(futures[r].result() for r in range(1, len(addresses)))]
             versions = {p.version for p in parts}
             if len(versions) != 1:
                 raise WeightSyncError(f"host {self.name}: the trainer ranks serve different "
@@ -49,11 +49,12 @@ class ShardedFetcher:
                 commit(*whole[0])
 
         with ThreadPoolExecutor(len(addresses), thread_name_prefix="weightsync-net-fetch") as pool:
-            for rank, (fetcher, address) in enumerate(zip(fetchers, addresses, strict=True)):
-                futures.append(pool.submit(fetcher.fetch, address, token, want, timeout,
-                                           put_together if rank == 0 else None))
-            for future in futures:
-                future.result()
+            # rank 0's last: its fetch puts the parts together, once every other is submitted
+            for rank in reversed(range(len(addresses))):
+                futures[rank] = pool.submit(fetchers[rank].fetch, addresses[rank], token, want,
+                                            timeout, put_together if rank == 0 else None)
+            for rank in range(len(addresses)):
+                futures[rank].result()
         return whole[0]
 
     @property
