@@ -146,8 +146,8 @@ def _single_thread_torch() -> None:
 #: serve` on a second host (network namespaces), Ray's one-node and sharded suites,
 #: TorchRL's collectors (the network scheme's collector test among them), RayCollector and
 #: AsyncVLLM, `vllm serve` with LoRA, vLLM tensor parallelism, the transformers end-to-end
-#: run, the sharded directory suite, the rank conformance suite on the directory and Ray,
-#: benches, demos and examples, and the single cases below. The README's default command
+#: run, the sharded directory suite, the rank conformance suite on the directory, Ray and the
+#: network path, benches, demos and examples, and the single cases below. The README's default command
 #: (`bash scripts/run.sh test`) leaves them out so that it ends within 15 minutes in a
 #: fresh clone on two cores. What stays: the same-host contract suite
 #: (`tests/schemes/test_local_schemes.py`) on every scheme in `SCHEMES` above, SharedMem,
@@ -188,10 +188,12 @@ FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     ("tests/transports/test_net_sharded.py", "test_a_lost_rank_fails"),
     ("tests/transports/test_net_sharded.py", "test_a_rank_that_dies_while"),
     ("tests/transports/test_net_sharded.py", "test_a_rank_that_stalls_while"),
+    ("tests/transports/test_net_sharded.py", "test_a_server_that_fails"),
     # the vLLM trainer engine with two ranks (~30 s: a second rank process imports vLLM)
     ("tests/integrations/test_vllm_backend_sharded.py", "test_two_engine_ranks"),
     ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray
     ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
+    ("tests/faults/test_rank_protocol.py", "[net"),  # and on the network path
     # a real `vllm serve` (the default keeps vLLM engines in-process and its registration)
     ("tests/integrations/test_vllm_serve.py", "through_a_directory"),
     ("tests/integrations/test_vllm_serve.py", "cached_before_an_update"),

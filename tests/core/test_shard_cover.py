@@ -106,7 +106,7 @@ def _part(version: int, tensor: torch.Tensor, bounds: list[int]) -> Any:
 
 @pytest.mark.parametrize("case", sorted(NOT_COVERING))
 def test_the_network_host_refuses_parts_that_do_not_tile(case):
-    from weightsync.transports.net.sharded import assemble
+    from weightsync.transports.net.sharded_fetch import assemble
 
     regions, match = NOT_COVERING[case]
     parts = [_part(1, torch.full((hi - lo,), float(r + 1)), [lo, hi])
@@ -177,7 +177,7 @@ def test_the_network_host_refuses_parts_missing_the_last_block():
     """The ranks declare each tensor's global shape in the part's header: parts that stop
     short of it leave a gap, which the bounding shape alone could not show."""
     from weightsync.transports.net.packed import parse_shapes
-    from weightsync.transports.net.sharded import assemble
+    from weightsync.transports.net.sharded_fetch import assemble
     from weightsync.transports.net.wire import ProtocolError
 
     first, second = _part(1, torch.ones(2), [0, 2]), _part(1, torch.zeros(2), [2, 4])

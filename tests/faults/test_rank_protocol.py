@@ -17,7 +17,7 @@ import signal
 import time
 
 import pytest
-from rank_conformance import ROWS, Directory, Ranks, SharedMem
+from rank_harness import ROWS, TRANSPORTS, Ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,15 +35,15 @@ def ray_cluster():
     yield from local_ray_instance(TESTS_DIR)
 
 
-@pytest.fixture(params=["shared_mem", "directory",
+@pytest.fixture(params=["shared_mem", "directory", "net",
                         pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
 def transport(request):
     if request.param == "ray":
-        from rank_conformance_ray import Ray
+        from rank_harness_ray import Ray
 
         made = Ray(timeout=60, address=request.getfixturevalue("ray_cluster"))
     else:
-        made = {"shared_mem": SharedMem, "directory": Directory}[request.param](timeout=60)
+        made = TRANSPORTS[request.param](timeout=60)
     yield made
     made.close()
 

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from directory_ranks import local_shard_rank, sharded_scheme
-from sharded_ranks import RankGroup
+from rank_harness import RankGroup, local_shard_rank, sharded_scheme
 
 from weightsync.transports.directory.files import read_json_object
 from weightsync.transports.directory.ranks import PENDING, Pending

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from shm_ranks import BlockModel, BlockRanks
+from rank_harness import BlockModel, BlockRanks
 
 import weightsync as ws
 

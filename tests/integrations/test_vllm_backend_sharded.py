@@ -9,10 +9,10 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-import net_ranks
 import pytest
+import rank_harness as net_ranks
 import torch
-from sharded_ranks import RankGroup
+from rank_harness import RankGroup
 from vllm_engine import vllm_or_skip
 
 from weightsync.schemes.double_buffer import VLLMDoubleBufferSyncScheme
@@ -28,7 +28,7 @@ def _vllm() -> None:
 
 def _staged(directory: Path, local: int) -> dict[str, torch.Tensor]:
     model = {"bias": torch.zeros(5, dtype=torch.bfloat16),
-             "matrix": torch.zeros(net_ranks.ROWS, net_ranks.COLS, dtype=torch.bfloat16)}
+             "matrix": torch.zeros(net_ranks.NET_ROWS, net_ranks.NET_COLS, dtype=torch.bfloat16)}
     receiver = VLLMDoubleBufferSyncScheme(directory, num_workers=1, timeout=10).create_receiver(0)
     receiver.register_model(model)
     receiver.connect(timeout=10)

@@ -340,7 +340,7 @@ def test_a_2_rank_fsdp2_trainer_streams_its_shards_from_every_rank(
     import secrets
 
     import vllm_sharded_trainer
-    from sharded_ranks import free_port, run_ranks
+    from rank_harness import free_port, run_ranks
 
     steps = 3
     board = f"{ADDRESS_A}:{free_port()}"  # the ranks meet over TCP, as on several hosts

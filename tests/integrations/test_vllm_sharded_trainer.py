@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_model as vm
-from directory_ranks import sharded_scheme
-from dtensor_ranks import fsdp_llama_rank
-from sharded_ranks import free_port, run_ranks
+from rank_harness import free_port, fsdp_llama_rank, run_ranks, sharded_scheme
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

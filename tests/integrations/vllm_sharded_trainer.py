@@ -42,7 +42,7 @@ def _server_greedy(url: str, model_dir: str) -> list[list[int]]:
 
 def fsdp_rank(rank: int, world: int, port: int, url: str, model_dir: str, address: str,
               rank_key: str, steps: int, ranks_address: str = "") -> list[dict[str, Any]]:
-    from sharded_ranks import init_gloo
+    from rank_harness import init_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory

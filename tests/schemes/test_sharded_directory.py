@@ -11,16 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from directory_ranks import (
+from rank_harness import (
+    RankGroup,
+    free_port,
+    fsdp_rank,
     hammering_reader,
     local_shard_rank,
     own_scheme_rank,
     racing_rank,
+    run_ranks,
     sharded_scheme,
+    tp_rank,
     wrong_layout_rank,
 )
-from dtensor_ranks import fsdp_rank, tp_rank
-from sharded_ranks import RankGroup, free_port, run_ranks
 
 import weightsync as ws
 from weightsync.transports.directory.manifest import MANIFEST

@@ -10,8 +10,8 @@ import time
 import uuid
 
 import pytest
+from rank_harness import free_port, run_ranks
 from ray_processes import local_ray_instance
-from sharded_ranks import free_port, run_ranks
 
 ray = pytest.importorskip("ray")
 
@@ -29,7 +29,7 @@ def ray_cluster():
 @pytest.fixture
 def named_actors(ray_cluster):
     """``make(scheme, n, kind)``: n actors named in the tests' namespace, up and ready."""
-    from ray_sharded_ranks import NAMESPACE, ShardedCollector
+    from rank_harness_ray import NAMESPACE, ShardedCollector
 
     made = []
 
@@ -121,13 +121,13 @@ def test_local_shards_and_a_plain_tensor(ray_cluster, named_actors):
 
 
 def _rank_fn(name):
-    import ray_sharded_ranks
+    import rank_harness_ray
 
-    return getattr(ray_sharded_ranks, name)
+    return getattr(rank_harness_ray, name)
 
 
 def test_the_next_send_rebuilds_the_group_with_a_restarted_rank(ray_cluster, named_actors):
-    from sharded_ranks import RankGroup
+    from rank_harness import RankGroup
 
     scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=60)
     names = named_actors(scheme, 2, "pair")
@@ -160,8 +160,8 @@ def test_a_stopped_rank_or_a_dead_rank_0_is_named_within_the_deadline(
     TrainerRankLostError(rank=1) within it. Rank 0 SIGKILLed mid-send: rank 1's raises
     TrainerRankLostError(rank=0). Either way the actors keep version 0 exactly."""
     import torch
-    from ray_sharded_ranks import NAMESPACE
-    from sharded_ranks import RankGroup
+    from rank_harness import RankGroup
+    from rank_harness_ray import NAMESPACE
 
     scheme = ws.RayWeightSyncScheme(num_workers=2, trainer_ranks=2, timeout=60)
     names = named_actors(scheme, 2, "pair")

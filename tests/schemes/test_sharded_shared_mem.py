@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from shm_ranks import Ranks, tiny_model
+from rank_harness import TrainingRanks, tiny_model
 
 import weightsync as ws
 
@@ -45,7 +45,7 @@ def test_workers_hold_the_gathered_model_after_every_send(world, how):
     receivers = [scheme.create_receiver(0), scheme.create_receiver(1, zero_copy=True)]
     for receiver, model in zip(receivers, models, strict=True):
         receiver.register_model(model)
-    ranks = Ranks(scheme, world, how=how, steps=3)
+    ranks = TrainingRanks(scheme, world, how=how, steps=3)
     try:
         threads, errors = connect_all(receivers)
         first = ranks.next(0)
@@ -110,21 +110,21 @@ def test_the_rank_key_stays_out_of_the_workers_copy():
 
 def test_rank_0_refuses_a_process_that_proves_only_the_workers_token():
     from weightsync.core.deadline import Deadline
-    from weightsync.transports.shm.ranks import SlotHub, SlotLink
+    from weightsync.transports.shm.ranks import SlotHub, slot_link
 
     scheme = ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=2)
     c = scheme.config
-    hub = SlotHub(c.address, c.rank_key, c.uid, 2)
+    hub = SlotHub(c.address, c.rank_key, c.uid, 2).board
     hub.start()
     try:
         def ignore(*_args):
             raise AssertionError("no slot reaches a refused process")
 
-        posing = SlotLink(c.address, c.token, c.uid, 1, ignore, ignore)
+        posing = slot_link(c.address, c.token, c.uid, 1, ignore, ignore)
         with pytest.raises(ws.TrainerRankLostError, match="could not join rank 0"):
             posing.open(Deadline(5))
         assert hub.hellos() == {} and not hub.connections
-        real = SlotLink(c.address, c.rank_key, c.uid, 1, ignore, ignore)
+        real = slot_link(c.address, c.rank_key, c.uid, 1, ignore, ignore)
         real.open(Deadline(5))
         real.close()
     finally:

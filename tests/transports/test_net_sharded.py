@@ -13,10 +13,10 @@ import signal
 import time
 from pathlib import Path
 
-import net_ranks
 import pytest
+import rank_harness as net_ranks
 import torch
-from sharded_ranks import free_port
+from rank_harness import free_port
 
 import weightsync as ws
 from weightsync.core.deadline import Deadline
@@ -33,7 +33,7 @@ TIMEOUT = 20.0
 def _read_staged(directory: Path, local: int) -> dict[str, torch.Tensor]:
     """What a worker loads of the staged version ``local``."""
     model = {"bias": torch.zeros(5, dtype=torch.bfloat16),
-             "matrix": torch.zeros(net_ranks.ROWS, net_ranks.COLS, dtype=torch.bfloat16)}
+             "matrix": torch.zeros(net_ranks.NET_ROWS, net_ranks.NET_COLS, dtype=torch.bfloat16)}
     receiver = VLLMDoubleBufferSyncScheme(directory, num_workers=1, timeout=10).create_receiver(0)
     receiver.register_model(model)
     receiver.connect(timeout=10)
@@ -151,6 +151,36 @@ def test_a_lost_rank_fails_the_version_and_the_next_takes_its_number(tmp_path: P
         for child in (first, second):
             if child is not None and child.is_alive():
                 child.kill()
+
+
+def test_a_server_that_fails_does_not_fail_the_ranks_version(tmp_path: Path):
+    """Every rank wrote version 0 and the hosts' delivery fails at a server alone: the
+    version is committed on every rank (rank 1's send returns it) and rank 0 raises the
+    server's error; the next version is 1 (a failed round's number would be taken again,
+    as on every medium, but this round did not fail)."""
+    key = secrets.token_hex(32)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=net_ranks.member_main, args=(key, 2, TIMEOUT, results),
+                        daemon=True)
+    child.start()
+    lead = NetRankLead("127.0.0.1:0", key, 2, dtype=torch.bfloat16, timeout=TIMEOUT, delta=True)
+
+    def server_fails(version: int, addresses: list[str]) -> None:
+        raise ws.WeightSyncError(f"version {version} is not served by 1 of 1 servers")
+
+    try:
+        with pytest.raises(ws.WeightSyncError, match="not served by 1 of 1"):
+            lead.send(net_ranks.rank_flat(0, 0), 0, Deadline(TIMEOUT), server_fails)
+        assert lead.committed == 0
+        assert results.get(timeout=TIMEOUT) == ("sent", 0)
+        lead.send(net_ranks.rank_flat(0, 1), 1, Deadline(TIMEOUT), lambda v, a: None)
+        assert results.get(timeout=TIMEOUT) == ("sent", 1)
+        child.join(TIMEOUT)
+    finally:
+        lead.close()
+        if child.is_alive():
+            child.kill()
 
 
 @pytest.mark.parametrize("board", ["host", "tcp"])

@@ -13,7 +13,7 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SchemaMismatchError, TrainerRankLostError
 from weightsync.core.layout import Layout, TensorSpec
-from weightsync.transports.ranks.lead import RankLead
+from weightsync.transports.ranks.lead import LeadRound, RankLead
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
 
@@ -88,16 +88,12 @@ def hello(rank: int = 1, layout: Layout = LAYOUT, regions: dict | None = None) -
 
 
 def lead_send(lead: RankLead, version: int, timeout: float) -> int:
-    """What a transport's rank 0 does for one version."""
-    try:
-        lead.meet(LAYOUT, HALF[0], version, Deadline(timeout))
-        plan = lead.begin(version, {"slot": 1})
-        lead.wait_done(plan, Deadline(timeout))
-    except BaseException as exc:
-        lead.fail(version, exc)
-        raise
-    lead.commit()
-    return version
+    """What a transport's rank 0 does for one version: the whole round, writing nothing."""
+    def body(round_: LeadRound) -> int:
+        round_.write({"slot": 1}, lambda plan: None)
+        return version
+
+    return lead.run(version, Deadline(timeout), lambda: (LAYOUT, HALF[0]), body)
 
 
 def in_thread(fn, *args):
@@ -218,3 +214,28 @@ def test_the_lead_names_a_missing_a_lost_and_a_restarted_rank_early():
         board.post_hello(hello())
         lead.wait_done(plan, Deadline(1))
     assert restarted.value.rank == 1 and len(board.plans()) == plan_count + 1
+
+
+def test_the_round_posts_a_failure_of_the_medium_and_raises_it():
+    """``RankLead.run``: an exception in the medium's body (after every rank wrote) is the
+    attempt's failure on every rank, and rank 0 raises it; the next round takes the same
+    version number."""
+    board = MemoryBoard()
+    lead = RankLead(board, 2)
+    member = RankMember(board, 1)
+    member.announce(hello())
+    written: list[int] = []
+    thread, box = in_thread(member_send, member, 0, 5.0, written)
+
+    def body(round_: LeadRound) -> None:
+        round_.write({"slot": 1}, lambda plan: None)
+        raise IntegrityError("the medium could not publish")
+
+    with pytest.raises(IntegrityError, match="could not publish"):
+        lead.run(0, Deadline(5.0), lambda: (LAYOUT, HALF[0]), body)
+    thread.join(5)
+    assert written == [0] and "could not publish" in str(box["error"])
+    thread, box = in_thread(member_send, member, 0, 5.0, written)
+    assert lead_send(lead, 0, 5.0) == 0
+    thread.join(5)
+    assert box["value"] == 0 and written == [0, 0]

@@ -9,7 +9,7 @@ import torch
 
 from weightsync import LocalShard
 from weightsync.core import checksum as ck
-from weightsync.core.shards import global_layout
+from weightsync.core.shards import global_layout, local_pieces
 from weightsync.transports.directory.partial_sums import combine
 from weightsync.transports.directory.sharded import RankPart
 from weightsync.transports.directory.slots import SlotFile, bucket_checksums
@@ -43,7 +43,8 @@ def test_rank_shares_add_up_to_the_slot_checksums(tmp_path, monkeypatch, dtype, 
                 "b": torch.randn(7, generator=generator)}
         flats = [_flat(rank, full) for rank in range(RANKS)]
         layout = global_layout(flats[0])
-        parts = [RankPart(rank, flats[rank], layout, dtype, None) for rank in range(RANKS)]
+        parts = [RankPart(local_pieces(flats[rank], rank), layout, dtype, None)
+                 for rank in range(RANKS)]
         slot = SlotFile.create(tmp_path / "slot-0.safetensors", parts[0].file_layout, {}, 0o600)
         try:
             shares = [part.write(slot) for part in parts]

@@ -75,9 +75,9 @@ class ShardedWeightWriter(WeightWriter, Protocol):
     #: the newest version committed when this rank joined (read once, after ``start``):
     #: a rank that joins late continues from there, its ``connect()`` is the next version
     joined_at: int
-    #: after ``publish``: the version this rank wrote (the one asked for, or the one rank 0
-    #: was at if this rank fell behind); if it fails later (``wait_acked``), the last
-    #: version committed again: the sender does not count a version that failed
+    #: after ``publish`` (which owns the whole round: a failed one raises there): the
+    #: version this rank's round committed (the one asked for, or the one rank 0 was at if
+    #: this rank fell behind)
     committed: int
 
 

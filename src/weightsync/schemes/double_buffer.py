@@ -34,9 +34,10 @@ from weightsync.transports.directory.files import DEFAULT_FILE_MODE, check_file_
 from weightsync.transports.directory.manifest import Commit
 from weightsync.transports.directory.ranks import shared_rank_key
 from weightsync.transports.directory.reader import DirectoryReader, Loader, check_layout_matches
-from weightsync.transports.directory.sharded import ShardedMemberWriter
+from weightsync.transports.directory.sharded import member_writer
 from weightsync.transports.directory.sharded_lead import DirectoryLeadWriter
 from weightsync.transports.directory.writer import DirectoryWriter
+from weightsync.transports.ranks.member import MemberWriter
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class VLLMDoubleBufferWeightSender(WeightSender):
     def __init__(self, scheme: VLLMDoubleBufferSyncScheme, rank: int | None = 0) -> None:
         c = scheme.config
         rank = trainer_rank(rank, c.trainer_ranks)
-        writer: DirectoryWriter | ShardedMemberWriter
+        writer: DirectoryWriter | MemberWriter
         if c.trainer_ranks == 1:
             writer = DirectoryWriter(c.directory, c.num_workers, dtype=c.dtype, durable=c.durable,
                                      mode=c.mode, poll_interval=c.poll_interval)
@@ -158,11 +159,10 @@ class VLLMDoubleBufferWeightSender(WeightSender):
                                          dtype=c.dtype, durable=c.durable, mode=c.mode,
                                          poll_interval=c.poll_interval)
         else:
-            writer = ShardedMemberWriter(c.directory, c.num_workers, rank=rank,
-                                         ranks=c.trainer_ranks,
-                                         rank_key=checked_rank_key(c.rank_key, scheme),
-                                         dtype=c.dtype, durable=c.durable, mode=c.mode,
-                                         poll_interval=c.poll_interval)
+            writer = member_writer(c.directory, rank=rank, ranks=c.trainer_ranks,
+                                   rank_key=checked_rank_key(c.rank_key, scheme),
+                                   dtype=c.dtype, durable=c.durable, mode=c.mode,
+                                   poll_interval=c.poll_interval)
         super().__init__(scheme, writer, c.num_workers, resumed_version=writer.published)
         self.scheme: VLLMDoubleBufferSyncScheme = scheme
         self.directory = c.directory

@@ -42,7 +42,7 @@ from weightsync.transports.ray.group import current_node_id
 from weightsync.transports.ray.reader import SENDER_CHECK_S, RayReader
 from weightsync.transports.ray.rendezvous import Rendezvous
 from weightsync.transports.ray.sharded_lead import RayLeadWriter
-from weightsync.transports.ray.sharded_rank import RankRayWriter
+from weightsync.transports.ray.sharded_rank import rank_ray_writer
 from weightsync.transports.ray.writer import RayWriter
 
 __all__ = ["SENDER_CHECK_S", "RayConfig", "RayWeightReceiver", "RayWeightSender",
@@ -195,10 +195,10 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 raise ValueError(f"trainer rank {rank}: only rank 0 takes the actor handles")
             c = self.config
             assert c.namespace is not None
-            writer = RankRayWriter(rank=rank, secret=c.secret,
-                                   rank_key=checked_rank_key(c.rank_key, self),
-                                   rendezvous_name=c.connection_info_name,
-                                   namespace=c.namespace, dtype=c.dtype)
+            writer = rank_ray_writer(rank=rank, secret=c.secret,
+                                     rank_key=checked_rank_key(c.rank_key, self),
+                                     rendezvous_name=c.connection_info_name,
+                                     namespace=c.namespace, dtype=c.dtype)
             return WeightSender(self, writer, c.num_workers)
         sender = RayWeightSender(self)
         if workers is not None:

@@ -15,8 +15,9 @@ from weightsync.schemes.ranks import (
 )
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
+from weightsync.transports.ranks.member import MemberWriter
 from weightsync.transports.shm.endpoints import SharedMemReader, SharedMemWriter
-from weightsync.transports.shm.sharded import RankWriter, RankZeroWriter
+from weightsync.transports.shm.sharded import RankZeroWriter, rank_writer
 from weightsync.transports.shm.slots import MAX_SLOTS, MAX_WORKERS
 
 
@@ -80,7 +81,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
         key: the scheme as created or pickled, not the copy :meth:`for_workers` makes."""
         c = self.config
         rank = trainer_rank(rank, c.trainer_ranks)
-        writer: RankZeroWriter | RankWriter | SharedMemWriter
+        writer: RankZeroWriter | MemberWriter | SharedMemWriter
         if c.trainer_ranks == 1:
             writer = SharedMemWriter(c.address, c.token, c.uid, c.num_workers,
                                      max_slots=self.max_slots)
@@ -88,7 +89,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
             writer = RankZeroWriter(c.address, c.token, checked_rank_key(c.rank_key, self), c.uid,
                                     c.num_workers, self.max_slots, c.trainer_ranks)
         else:
-            writer = RankWriter(c.address, checked_rank_key(c.rank_key, self), c.uid, rank)
+            writer = rank_writer(c.address, checked_rank_key(c.rank_key, self), c.uid, rank)
         return WeightSender(self, writer, c.num_workers)
 
     def create_receiver(self, worker_idx: int = 0, zero_copy: bool | None = None) -> WeightReceiver:

@@ -42,7 +42,7 @@ from weightsync.serving.owners import (
 )
 from weightsync.transports.directory.files import write_json_atomic
 from weightsync.transports.net.fetch import VersionFetcher
-from weightsync.transports.net.sharded import ShardedFetcher
+from weightsync.transports.net.sharded_fetch import ShardedFetcher
 
 logger = logging.getLogger(__name__)
 

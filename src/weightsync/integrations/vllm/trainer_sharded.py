@@ -84,9 +84,11 @@ class ShardedMode:
             servers.record(self.version, what, time.perf_counter() - started,
                            own.figures(self.version, settle=5.0), {})
             return
-        assert self.lead is not None
-        publisher = self.lead.own.publisher
+        lead = self.lead
+        assert lead is not None
+        publisher = lead.own.publisher
         asked: list[bool] = []
+        held = self.version
 
         def deliver(version: int, addresses: list[str]) -> None:
             asked.append(True)  # from here on, a server may hold this version
@@ -109,10 +111,14 @@ class ShardedMode:
             servers.each_server(what, version, update, lambda: None, publisher)
 
         try:
-            self.lead.send(flat, version, deadline, deliver)
-        finally:  # a version some server may hold keeps its number; one no host saw does not
-            if asked:
+            lead.send(flat, version, deadline, deliver)
+        finally:
+            if lead.committed == version:  # committed, even if a server did not take it
                 self._next = version + 1
+            elif asked:  # the round failed while the hosts fetched: its number is taken
+                # again by the next attempt, so every server starts over from that one
+                self.version = held
+                servers.needs_init = set(range(len(servers.clients)))
 
     def _init_info(self, index: int) -> dict[str, Any]:
         assert self.lead is not None

@@ -139,7 +139,19 @@ class RankFiles:
     def __init__(self, directory: Path, mode: int, rank_key: str) -> None:
         self.directory, self.mode = directory, mode
         self.seal = RecordSeal(rank_key)
+        self.drops = DropLog(logger)
         self._cache: dict[Path, tuple[bytes, Any]] = {}
+
+    def safe(self, rank: int, read: Callable[[], T]) -> T | None:
+        """What ``read`` returns, None for a record that is unreadable or does not prove
+        the rank key (dropped, and logged naming ``rank``)."""
+        try:
+            return read()
+        except UnsealedRecordError as exc:
+            self.drops.dropped(rank, exc)
+            return None
+        except IntegrityError:
+            return None
 
     def read(self, path: Path, parse: Callable[[dict[str, Any], str], T]) -> T | None:
         """The record in ``path`` (None if absent), or the IntegrityError it raised (again
@@ -195,26 +207,14 @@ class LeadFiles:
                  rank_key: str) -> None:
         self.files = RankFiles(directory, mode, rank_key)
         self.directory, self.world, self.poll_interval = directory, world, poll_interval
-        self._drops = DropLog(logger)
-        existing = self._safe(0, self.files.pending)  # outcomes of an earlier rank 0
+        existing = self.files.safe(0, self.files.pending)  # outcomes of an earlier rank 0
         self._plan: Plan | None = None
         self._outcomes: list[Outcome] = [] if existing is None else existing.outcomes
-
-    def _safe(self, rank: int, read: Callable[[], T]) -> T | None:
-        """What ``read`` returns, None for a record that is unreadable or does not prove
-        the rank key (dropped, and logged naming ``rank``)."""
-        try:
-            return read()
-        except UnsealedRecordError as exc:
-            self._drops.dropped(rank, exc)
-            return None
-        except IntegrityError:
-            return None
 
     def hellos(self) -> dict[int, Hello]:
         out = {}
         for rank in range(1, self.world):
-            hello = self._safe(rank, lambda r=rank: self.files.hello(r))  # type: ignore[misc]
+            hello = self.files.safe(rank, lambda r=rank: self.files.hello(r))  # type: ignore[misc]
             if hello is not None and hello.rank == rank and not hello_dead(hello):
                 out[rank] = hello
         return out
@@ -223,7 +223,7 @@ class LeadFiles:
         try:
             hello = self.files.hello(rank)
         except UnsealedRecordError as exc:  # a forgery: the rank re-posts, its done decides
-            self._drops.dropped(rank, exc)
+            self.files.drops.dropped(rank, exc)
             return ""
         except IntegrityError as exc:
             return f"left an unreadable hello file ({exc})"
@@ -236,7 +236,7 @@ class LeadFiles:
     def dones(self, attempt: str) -> dict[int, Done]:
         out = {}
         for rank in range(1, self.world):
-            done = self._safe(rank, lambda r=rank: self.files.done(r))  # type: ignore[misc]
+            done = self.files.safe(rank, lambda r=rank: self.files.done(r))  # type: ignore[misc]
             if done is not None and done.rank == rank and done.attempt == attempt:
                 out[rank] = done
         return out
@@ -264,7 +264,6 @@ class MemberFiles:
         self._manifests = ManifestCache(directory)
         self._versions: dict[str, int] = {}  # attempt -> version, of the plans seen
         self._lead_seen = False
-        self._drops = DropLog(logger)
         self.posted: Hello | None = None
 
     def post_hello(self, hello: Hello) -> None:
@@ -291,7 +290,7 @@ class MemberFiles:
             if self.files.hello(self.rank) is not None:
                 return
         except UnsealedRecordError as exc:
-            self._drops.dropped(self.rank, exc)
+            self.files.drops.dropped(self.rank, exc)
         except IntegrityError:
             pass
         self.files.write(hello_path(self.directory, self.rank), HELLO, self.posted.to_json())
@@ -299,25 +298,16 @@ class MemberFiles:
     def post_done(self, done: Done) -> None:
         self.files.write(rank_path(self.directory, self.rank), DONE, done.to_json())
 
-    def _pending(self) -> Pending | None:
-        try:
-            return self.files.pending()
-        except UnsealedRecordError as exc:
-            self._drops.dropped(0, exc)
-            return None
-        except IntegrityError:
-            return None
-
     def plans(self) -> list[Plan]:
         self._keep_hello()
-        pending = self._pending()
+        pending = self.files.safe(0, self.files.pending)
         if pending is None or pending.plan is None:
             return []
         self._versions[pending.plan.attempt] = pending.plan.version
         return [pending.plan]
 
     def outcome(self, attempt: str) -> Outcome | None:
-        pending = self._pending()
+        pending = self.files.safe(0, self.files.pending)
         found = None if pending is None else pending.outcome(attempt)
         if found is not None:
             return found

@@ -1,8 +1,7 @@
-"""Rank 0 of a sharded trainer writing a directory: the single writer of today (sender lock,
-slot pool, manifest) that is also the rank protocol's lead (:mod:`weightsync.transports.
-ranks.lead`) over the file board: it meets the ranks, names the slot of each attempt in its
-plan, waits for every rank's done and commits the manifest with the checksums their shares
-add up to. The data plane is described in :mod:`.sharded`."""
+"""Rank 0 of a sharded trainer writing a directory: the single writer (sender lock, slot
+pool, manifest) whose round is :meth:`~weightsync.transports.ranks.lead.RankLead.run` over
+the file board: the plan names the slot it took, and the manifest is committed with the
+checksums the ranks' shares add up to (:mod:`.sharded`)."""
 
 from __future__ import annotations
 
@@ -18,13 +17,15 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError
 from weightsync.core.layout import Layout
+from weightsync.core.shards import local_pieces
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.directory import sharded
 from weightsync.transports.directory.manifest import SlotFile, slot_path
 from weightsync.transports.directory.ranks import LeadFiles
 from weightsync.transports.directory.sharded import RankPart, sum_shares
-from weightsync.transports.directory.writer import DirectoryWriter
-from weightsync.transports.ranks.lead import RankLead
+from weightsync.transports.directory.writer import DirectoryWriter, Published
+from weightsync.transports.ranks.lead import LeadRound, RankLead
+from weightsync.transports.ranks.records import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +52,27 @@ class DirectoryLeadWriter(DirectoryWriter):
         self.joined_at = self.published
         self.committed = NO_VERSION
         self._part: RankPart | None = None
-        self._deadline = Deadline(None)  # the send under way
+        self._round: LeadRound | None = None  # the round under way
         self._written: int | None = None  # a slot the other ranks may have written into
 
     def publish(self, flat: Mapping[str, Any], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> dict[int, str]:
         """Meet the ranks, then write and commit ``version`` with them."""
-        self._part = RankPart(0, flat, layout, self.dtype, self._part)
-        self._deadline = deadline
-        try:
-            self.lead.meet(layout, self._part.regions, version, deadline)
-            done = self.commit(flat, layout, requested, len(requested) == self.num_workers,
-                               deadline)
-        except BaseException as exc:
-            if self._written is not None:
-                self._replace_slot(self._written)
-            self.lead.fail(version, exc)
-            raise
-        self.lead.commit()
+        part = self._part = RankPart(local_pieces(flat, 0), layout, self.dtype, self._part)
+
+        def body(round_: LeadRound) -> Published:
+            self._round = round_
+            try:
+                return self.commit(flat, layout, requested,
+                                   len(requested) == self.num_workers, deadline)
+            except BaseException:
+                if self._written is not None:
+                    self._replace_slot(self._written)
+                raise
+            finally:
+                self._round = None
+
+        done = self.lead.run(version, deadline, lambda: (layout, part.regions), body)
         self.committed = done.version
         logger.debug("version %d committed by %d trainer ranks (%s)", done.version, self.ranks,
                      {k: round(v, 4) for k, v in done.phases.items()})
@@ -78,15 +82,18 @@ class DirectoryLeadWriter(DirectoryWriter):
               deadline: Deadline) -> list[int]:
         """Post the plan naming the slot, write rank 0's part and wait for the others';
         returns the bucket checksums their shares add up to."""
-        assert self._part is not None
-        version = self.published + 1
-        plan = self.lead.begin(version, {"slot": index})
+        part, round_ = self._part, self._round
+        assert part is not None and round_ is not None
         self._written = index
-        shares = [self._part.write(slot)]
-        sharded.after_part_written(0, version)  # a test hook
-        dones = self.lead.wait_done(plan, deadline)
+
+        def own(plan: Plan) -> list[int]:
+            shares = part.write(slot)
+            sharded.after_part_written(0, plan.version)  # a test hook
+            return shares
+
+        shares, dones = round_.write({"slot": index}, own)
         ranks = sorted(dones)
-        checksums = sum_shares(shares + [_shares(dones[r].detail, r) for r in ranks],
+        checksums = sum_shares([shares] + [_shares(dones[r].detail, r) for r in ranks],
                                len(slot.layout.buckets),
                                ["trainer rank 0", *(f"trainer rank {r}" for r in ranks)])
         self._written = None

@@ -5,6 +5,9 @@ checks, before any byte is written, that they registered the same global layout 
 their regions tile every tensor exactly once; :meth:`begin` posts the plan (the medium's
 detail: which slot); :meth:`wait_done` waits for every rank's done record of that attempt;
 then :meth:`commit` or :meth:`fail` posts the outcome every rank raises or returns.
+:meth:`RankLead.run` is that whole round, once for every medium: the medium's driver gives
+it only its data plane (a ``body`` that picks the plan's detail and writes rank 0's part
+through :meth:`LeadRound.write`, then finishes with the ranks' done records).
 
 Rank 0 waits on ``deadline.ahead()``, so it gives up early enough for the other ranks,
 waiting on their whole deadline, to hear why. A rank that never appears, died, hung up,
@@ -14,6 +17,8 @@ restarted or stayed silent is :class:`TrainerRankLostError` naming it, on every 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import SchemaMismatchError, TrainerRankLostError
@@ -23,6 +28,11 @@ from weightsync.transports.ranks.board import POLL_S, LeadBoard
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, failure, new_id
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+#: rank 0's model in a round: its global layout, and the regions it writes
+Model = tuple[Layout, dict[str, list[int]]]
 
 
 def while_ranks_write(plan: Plan) -> None:
@@ -55,6 +65,24 @@ def _check_hello(layout: Layout, hello: Hello) -> None:
                               "another order than trainer rank 0")
 
 
+class LeadRound:
+    """One attempt at ``version`` as the medium's data plane sees it inside
+    :meth:`RankLead.run`: it names the plan's detail and writes rank 0's own part."""
+
+    def __init__(self, lead: RankLead, version: int, deadline: Deadline) -> None:
+        self.lead, self.version, self.deadline = lead, version, deadline
+        self.plan: Plan | None = None
+
+    def write(self, detail: dict[str, object], own: Callable[[Plan], T]
+              ) -> tuple[T, dict[int, Done]]:
+        """Post the plan (``detail``: the medium's, e.g. which slot), write rank 0's part
+        (``own(plan)``) and wait for every rank's done record of that attempt; returns what
+        ``own`` returned and the done records, by rank."""
+        plan = self.plan = self.lead.begin(self.version, detail)
+        mine = own(plan)
+        return mine, self.lead.wait_done(plan, self.deadline)
+
+
 class RankLead:
     """Rank 0 of ``world`` ranks, over ``board``."""
 
@@ -64,6 +92,24 @@ class RankLead:
         self.met: dict[int, str] = {}
         self.current: Plan | None = None
         self._checked: tuple[dict[int, str], str, dict[str, list[int]]] | None = None
+
+    def run(self, version: int, deadline: Deadline, model: Callable[[], Model],
+            body: Callable[[LeadRound], R]) -> R:
+        """The whole round at ``version``: meet the ranks over rank 0's ``model()`` (its
+        global layout and the regions it writes, read here so that a failure there is told
+        to every rank too), then ``body`` writes the version (through
+        :meth:`LeadRound.write`) and finishes it with the ranks' done records (publishes,
+        delivers); commit once ``body`` returned, or post its failure to every rank and
+        raise it."""
+        try:
+            layout, regions = model()
+            self.meet(layout, regions, version, deadline)
+            result = body(LeadRound(self, version, deadline))
+        except BaseException as exc:
+            self.fail(version, exc)
+            raise
+        self.commit()
+        return result
 
     def meet(self, layout: Layout, own: dict[str, list[int]], version: int,
              deadline: Deadline) -> None:

@@ -14,28 +14,46 @@ missed; a plan naming another incarnation (before a restart) is not this rank's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.errors import TrainerRankLostError
+from weightsync.core.errors import TrainerRankLostError, WeightSyncError
+from weightsync.core.layout import Layout
+from weightsync.core.shards import ShardPiece, describe_regions, local_pieces
+from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ranks.board import POLL_S, MemberBoard
-from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
+from weightsync.transports.ranks.liveness import process_detail
+from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
 
 logger = logging.getLogger(__name__)
 
 
 class RankMember:
-    """Rank ``rank`` (1..N-1), over ``board``."""
+    """Rank ``rank`` (1..N-1), over ``board``. ``liveness``: its hellos carry this process's
+    pid and host (:func:`~.liveness.process_detail`), for media that cannot tell a lost rank
+    from a connection (files, a Ray actor)."""
 
-    def __init__(self, board: MemberBoard, rank: int) -> None:
-        self.board, self.rank = board, rank
+    def __init__(self, board: MemberBoard, rank: int, *, liveness: bool = False) -> None:
+        self.board, self.rank, self.liveness = board, rank, liveness
         self.hello: Hello | None = None
         #: the plan whose failure the last take_part raised (None: it raised no outcome)
         self.failed: Plan | None = None
         self._handled: set[str] = set()  # attempts taken part in, or decided before asked
         #: the hello was posted for the send now under way: a plan naming it answers this send
         self._announced_now = False
+
+    def run(self, layout: Layout, regions: dict[str, list[int]],
+            write: Callable[[Plan], dict[str, Any]], version: int, deadline: Deadline) -> int:
+        """The whole round on this rank: announce the model (a new incarnation when its
+        layout or its ``regions`` changed), then write its part of the next plan rank 0
+        posts for it (``write(plan)`` returns the done record's detail); returns the
+        version committed, or raises the attempt's failure as every rank does."""
+        known = self.hello
+        if known is None or known.fingerprint != layout.fingerprint or known.regions != regions:
+            self.announce(Hello(self.rank, new_id(), layout.to_dict(), layout.fingerprint,
+                                regions, process_detail() if self.liveness else {}))
+        return self.take_part(write, version, deadline)
 
     def announce(self, hello: Hello) -> None:
         """Post ``hello`` if it is a new incarnation."""
@@ -113,3 +131,71 @@ class RankMember:
         why = self.board.lead_lost()
         if why:
             raise TrainerRankLostError(f"trainer rank {self.rank}: trainer rank 0 {why}", rank=0)
+
+
+class MemberPlane(Protocol):
+    """A medium's data plane on ranks 1..N-1: where a rank's pieces go."""
+
+    def start(self, deadline: Deadline) -> int:
+        """Reach rank 0's medium; returns the newest version committed (this rank's first
+        send is the next)."""
+
+    def writer(self, pieces: list[ShardPiece], layout: Layout, deadline: Deadline
+               ) -> Callable[[Plan], dict[str, Any]]:
+        """How this send writes ``pieces`` where a plan says; returns its done's detail."""
+
+    def failed(self, plan: Plan | None) -> None:
+        """The send raised the failure of ``plan`` (None: no outcome of rank 0's)."""
+
+    def close(self, hello: Hello | None) -> None:
+        """Let the medium go (and withdraw ``hello``, where the board keeps it)."""
+
+
+class MemberWriter:
+    """Trainer rank ``rank`` (1..N-1) as its sender's writer, on any medium: each send is
+    :meth:`RankMember.run` over ``board``, writing through ``plane``. It never waits for
+    the workers: rank 0 confirms every version to them."""
+
+    needs_acks = False
+    sharded = True
+
+    def __init__(self, rank: int, board: MemberBoard, plane: MemberPlane, *,
+                 liveness: bool = False, joined_at: int = NO_VERSION) -> None:
+        self.rank, self.plane = rank, plane
+        self.member = RankMember(board, rank, liveness=liveness)
+        #: the newest committed version when this rank joined, and the last it committed
+        self.joined_at = self.published = joined_at
+        self.committed = NO_VERSION
+
+    def start(self, deadline: Deadline) -> None:
+        self.joined_at = self.plane.start(deadline)
+
+    def publish(self, flat: Mapping[str, Any], layout: Layout, requested: list[int],
+                version: int, deadline: Deadline) -> dict[int, str]:
+        """Write this rank's part of the next version rank 0 plans for it; returns once
+        rank 0 committed it (``committed`` says which), or raises why it failed."""
+        pieces = local_pieces(flat, self.rank)
+        write = self.plane.writer(pieces, layout, deadline)
+        try:
+            self.committed = self.published = self.member.run(
+                layout, describe_regions(pieces), write, version, deadline)
+        except WeightSyncError:
+            self.plane.failed(self.member.failed)
+            raise
+        return {}
+
+    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> dict[int, str]:
+        return {}
+
+    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
+                   lost: dict[int, str]) -> None:
+        """Rank 0 confirms the version to the workers."""
+
+    def wait_joined(self, version: int, deadline: Deadline) -> None:
+        """Rank 0's ``connect()`` waits for the workers; this rank's ends at the commit."""
+
+    def held_versions(self) -> dict[int, int]:
+        return {}
+
+    def close(self) -> None:
+        self.plane.close(self.member.hello)

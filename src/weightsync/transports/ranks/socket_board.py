@@ -7,8 +7,8 @@ ways without sending it, as a process of the scheme's user. One live connection 
 index: a second live claimant is refused, saying so; a rank whose process died may connect
 again (a restart). Records travel as ``rank.hello``/``rank.done`` (rank -> rank 0) and
 ``rank.plan``/``rank.outcome`` (rank 0 -> every rank). A medium's data plane may add
-messages of its own on the same connections, taken by :meth:`RankHub._heard` and
-:meth:`RankLink._heard` (SharedMem's slots: :mod:`weightsync.transports.shm.ranks`). Used
+messages of its own on the same connections, handed to the ``heard`` callbacks of
+:class:`RankHub` and :class:`RankLink` (SharedMem's slots: :mod:`weightsync.transports.shm.ranks`). Used
 by SharedMem's and the network transport's sharded ranks.
 """
 
@@ -96,8 +96,14 @@ class RankHub:
     rank key's proof alone (a lost rank is then told by its connection, not its pid)."""
 
     def __init__(self, address: str, rank_key: str, uid: int | None, world: int, *,
-                 listener: Any = None) -> None:
+                 listener: Any = None,
+                 heard: Callable[[RankConnection, Any, dict[str, Any]], None] | None = None
+                 ) -> None:
+        """``heard(connection, kind, header)``: a message of the medium's own (under
+        :attr:`cond`); a KeyError, TypeError or ValueError drops the rank as one that broke
+        the protocol."""
         self.world = world
+        self._heard = heard
         self._key, self._uid = rank_key, uid
         self._listener = listener if listener is not None \
             else ChannelListener(rank_address(address))
@@ -192,7 +198,7 @@ class RankHub:
                         done = Done.from_json(header.get("done"), where)
                         if done.rank == connection.rank and done.attempt in self._dones:
                             self._dones[done.attempt][done.rank] = done
-                    else:
+                    elif self._heard is not None:
                         self._heard(connection, kind, header)
                     self.cond.notify_all()
             except (IntegrityError, KeyError, TypeError, ValueError) as exc:
@@ -202,10 +208,6 @@ class RankHub:
                     self.cond.notify_all()
                 channel.close()
                 return
-
-    def _heard(self, connection: RankConnection, kind: Any, header: dict[str, Any]) -> None:
-        """A message of the medium's own from ``connection`` (under :attr:`cond`); a
-        KeyError, TypeError or ValueError drops the rank as one that broke the protocol."""
 
     # ------------------------------------------------------------------ the board
     def hellos(self) -> dict[int, Hello]:
@@ -227,7 +229,7 @@ class RankHub:
     def ping(self) -> None:
         """Ask every rank for a word (a rank inside its send answers at once): the answers
         keep :meth:`silent_for` low for ranks that still run."""
-        self._tell({"t": "rank.ping"})
+        self.tell({"t": "rank.ping"})
 
     def silent_for(self, rank: int) -> float:
         """Seconds since rank ``rank`` last sent anything (0 if it is not connected)."""
@@ -240,7 +242,7 @@ class RankHub:
             self._dones[plan.attempt] = {}
             for old in list(self._dones)[:-KEPT_ATTEMPTS]:
                 del self._dones[old]
-        self._tell({"t": "rank.plan", "plan": plan.to_json()})
+        self.tell({"t": "rank.plan", "plan": plan.to_json()})
 
     def dones(self, attempt: str) -> dict[int, Done]:
         with self.cond:
@@ -249,13 +251,13 @@ class RankHub:
     def post_outcome(self, outcome: Outcome) -> None:
         if outcome.committed:
             self.committed = outcome.version
-        self._tell({"t": "rank.outcome", "outcome": outcome.to_json()})
+        self.tell({"t": "rank.outcome", "outcome": outcome.to_json()})
 
     def wait(self, seconds: float) -> None:
         with self.cond:
             self.cond.wait(seconds)
 
-    def _tell(self, header: dict[str, Any], fds: list[int] | None = None) -> None:
+    def tell(self, header: dict[str, Any], fds: list[int] | None = None) -> None:
         """Send ``header`` to every rank connected now; one that cannot take it is gone."""
         with self.cond:
             targets = [c for c in self.connections.values() if not c.gone]
@@ -283,9 +285,12 @@ class RankLink:
     calls."""
 
     def __init__(self, address: str, rank_key: str, uid: int | None, rank: int, *,
-                 connect: Callable[[float | None], Channel] | None = None) -> None:
+                 connect: Callable[[float | None], Channel] | None = None,
+                 heard: Callable[[Message], None] | None = None) -> None:
         """``connect(timeout)``: how to reach rank 0's listener other than its Unix socket
-        (e.g. over TCP; with ``uid=None``: no peer credentials, the rank key's proof alone)."""
+        (e.g. over TCP; with ``uid=None``: no peer credentials, the rank key's proof alone).
+        ``heard(message)``: a message of the medium's own from rank 0."""
+        self._heard = heard
         self.address = rank_address(address) if connect is None else address
         self.key, self.uid, self.rank = rank_key, uid, rank
         self._connect = connect
@@ -331,10 +336,10 @@ class RankLink:
 
     # ------------------------------------------------------------------ the board
     def post_hello(self, hello: Hello) -> None:
-        self._send({"t": "rank.hello", "hello": hello.to_json()})
+        self.send({"t": "rank.hello", "hello": hello.to_json()})
 
     def post_done(self, done: Done) -> None:
-        self._send({"t": "rank.done", "done": done.to_json()})
+        self.send({"t": "rank.done", "done": done.to_json()})
 
     def plans(self) -> list[Plan]:
         return list(self._plans)
@@ -369,14 +374,11 @@ class RankLink:
             for old in list(self._outcomes)[:-KEPT_ATTEMPTS]:
                 del self._outcomes[old]
         elif kind == "rank.ping":
-            self._send({"t": "rank.pong"})
-        else:
+            self.send({"t": "rank.pong"})
+        elif self._heard is not None:
             self._heard(message)
 
-    def _heard(self, message: Message) -> None:
-        """A message of the medium's own from rank 0."""
-
-    def _send(self, header: dict[str, Any]) -> None:
+    def send(self, header: dict[str, Any]) -> None:
         assert self.channel is not None
         try:
             self.channel.send(header, timeout=5.0)

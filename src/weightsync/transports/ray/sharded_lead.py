@@ -1,23 +1,13 @@
-"""Rank 0 of a sharded trainer on the Ray scheme: the rank protocol's lead
-(:mod:`weightsync.transports.ranks.lead`) over the rendezvous actor, plus Ray's data plane.
-
-Rank 0 is a :class:`~weightsync.transports.ray.writer.RayWriter` that never holds the whole
-model. It owns the actor handles, the group generations (group ranks ``0..N-1`` are the
-trainer's ranks, the relay actors follow) and the rendezvous actor, which is also the
-board through which ranks 1..N-1 post their hellos and dones and read rank 0's plans and
-outcomes (``sharded_rank.py``): no collective ever runs on the user's process group.
-Every record is sealed with the ranks' key (``transports/ranks/seal.py``); rank 0 drops, and
-logs, a rank record that does not prove it.
-
-Version n: rank 0 meets the ranks (layouts and cover checked once per change), builds a
-generation if there is none, posts the plan (the generation, the relays, the chunk size),
-signals every relay actor, sends its own pieces (``shard_stream``) and waits for every
-rank's done and every relay's answer. A rank lost meanwhile (a relay saw its stream break
-and it posted no done, it died, or it is silent at ``deadline.ahead()``) fails the version
-for everyone; no actor takes it (a relay stages a version only once every rank's stream
-arrived whole and verified), and the next send rebuilds the group. A failed version is not
-counted: the next committed one has its number.
-"""
+"""Rank 0 of a sharded trainer on the Ray scheme: the round of
+:meth:`~weightsync.transports.ranks.lead.RankLead.run` over the rendezvous actor's records
+(sealed with the ranks' key: a rank record that does not prove it is dropped and logged),
+and Ray's data plane. Rank 0 is a :class:`~weightsync.transports.ray.writer.RayWriter` that
+never holds the whole model: it owns the actor handles and the group generations (group
+ranks ``0..N-1`` are the trainer's ranks, the relay actors follow). Its body builds a
+generation if there is none, plans it with the relays and the chunk size, signals every
+relay, streams its own pieces (``shard_stream``) and waits for every relay's answer; a relay
+stages a version only once every rank's stream arrived whole and verified, so no actor takes
+a failed one, and the next send rebuilds the group."""
 
 from __future__ import annotations
 
@@ -40,7 +30,7 @@ from weightsync.core.layout import Layout
 from weightsync.core.shards import describe_regions, local_pieces
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.ranks.board import POLL_S
-from weightsync.transports.ranks.lead import RankLead
+from weightsync.transports.ranks.lead import LeadRound, Model, RankLead
 from weightsync.transports.ranks.liveness import hello_dead, lost_verdict
 from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 from weightsync.transports.ranks.seal import (
@@ -144,59 +134,88 @@ class RayLeadWriter(RayWriter):
         super().__init__(trainer_ranks=trainer_ranks, rank_key=rank_key, **options)
         self.trainer_ranks = trainer_ranks
         self.joined_at = NO_VERSION
-        #: the version published (the sender reads it), back to the last committed one if
-        #: that version fails after publish (the sender then does not count it)
-        self.committed = self._last_committed = NO_VERSION
+        self.committed = NO_VERSION  # the version the last round committed (the sender reads it)
         self.board = RayLeadBoard(self.members, trainer_ranks, rank_key)
         self.lead = RankLead(self.board, trainer_ranks)
-        self._regions: dict[int, dict[str, list[int]]] = {}
         self._pieces: list[Any] = []
-        self._plan: Plan | None = None
+        self._own: dict[str, list[int]] = {}  # the regions of rank 0's pieces
         self._own_error: str | None = None
         self._built_for: dict[int, str] = {}  # the rank incarnations the group was built with
 
     # ------------------------------------------------------------------ publish
     def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> Losses:
-        """Meet the ranks, build a generation if needed, and post the plan."""
-        members = self.members
-        try:
-            members.take_announcements(deadline)
+        """The whole round at ``version``: meet the ranks, build a generation if needed,
+        signal every relay actor, send rank 0's pieces, then wait for every rank's done and
+        every relay's answer; a failure of any of it fails the version on every rank. The
+        actors' answers are judged by ``wait_acked``, as for an unsharded trainer."""
+        self._flight = None
+
+        def model() -> Model:
+            self.members.take_announcements(deadline)
             self._prepare(layout)
-            assert self._layout is not None and self._wire_layout is not None
             self._pieces = local_pieces(flat, 0)
-            own = describe_regions(self._pieces)
-            self.lead.meet(layout, own, version, deadline)
-            dead: Losses = {}
-            silent: Losses = {}
-            if self.lead.met != self._built_for:
-                members.group = None  # a rank restarted: its new process joins a new one
-            if members.group is None:
-                budget = share(deadline, BROADCAST_SHARE)
-                try:
-                    dead, silent = members.build(self._layout, None, budget or self._timeout,
-                                                 deadline, relay=self.backend == "gloo")
-                except WorkerLostError as exc:
-                    raise self._blame_join(version, exc) from exc
-                silent = {w: why for w, why in silent.items() if w not in members.reported}
-                # a rank restarted meanwhile announced itself before it joined: meet it now
-                self.lead.meet(layout, own, version, deadline)
-                self._built_for = dict(self.lead.met)
-            assert members.group is not None
-            self._regions = {0: own} | {r: h.regions for r, h in self.board.hellos().items()}
-            keep = [w for w in requested if w not in members.reported]
-            dead |= {w: "not a member of the group" for w in keep
-                     if w not in members.members and w not in dead and w not in silent}
-            self._plan = self.lead.begin(version, {
-                "generation": members.group.info.generation,
-                "relays": sorted(members.group.info.ranks.values()),
-                "chunk_bytes": shard_stream.CHUNK_BYTES})
-        except BaseException as exc:
-            self.lead.fail(version, exc)
+            self._own = describe_regions(self._pieces)
+            return layout, self._own
+
+        try:
+            dead = self.lead.run(version, deadline, model,
+                                 lambda round_: self._round(round_, layout, requested))
+        except BaseException:
+            flight, self._flight = self._flight, None
+            if flight is not None:  # the relays were signalled: rebuilt at the next send
+                self.members.group = None
+                self._answers_after_failure(flight, deadline)
             raise
-        self._flight = _Flight(version, {}, silent)
+        finally:
+            self.board.watch = None
         self.committed = version
         return dead
+
+    def _round(self, round_: LeadRound, layout: Layout, requested: list[int]) -> Losses:
+        members, version, deadline, own = self.members, round_.version, round_.deadline, self._own
+        dead, silent = self._group(layout, own, version, deadline)
+        assert members.group is not None
+        regions = {0: own} | {r: h.regions for r, h in self.board.hellos().items()}
+        keep = [w for w in requested if w not in members.reported]
+        dead |= {w: "not a member of the group" for w in keep
+                 if w not in members.members and w not in dead and w not in silent}
+        flight = self._flight = _Flight(version, {}, silent)
+        flight.keep = {w for w in keep if w not in dead}
+        group = members.group
+        detail = {"generation": group.info.generation,
+                  "relays": sorted(group.info.ranks.values()),
+                  "chunk_bytes": shard_stream.CHUNK_BYTES}
+        _, dones = round_.write(detail, lambda plan: self._send_own(flight, regions, deadline))
+        failures = self._wait_relays(flight, dones, deadline)
+        if failures:
+            raise WeightSyncError(
+                f"version {version} failed: {'; '.join(failures)}; no worker takes it, they "
+                "keep the version they hold (the group is rebuilt at the next send)")
+        return dead
+
+    def _group(self, layout: Layout, own: dict[str, list[int]], version: int,
+               deadline: Deadline) -> tuple[Losses, Losses]:
+        """A group generation with every rank met (built anew when a rank restarted);
+        returns the workers dead and silent meanwhile."""
+        members = self.members
+        dead: Losses = {}
+        silent: Losses = {}
+        if self.lead.met != self._built_for:
+            members.group = None  # a rank restarted: its new process joins a new one
+        if members.group is None:
+            assert self._layout is not None
+            budget = share(deadline, BROADCAST_SHARE)
+            try:
+                dead, silent = members.build(self._layout, None, budget or self._timeout,
+                                             deadline, relay=self.backend == "gloo")
+            except WorkerLostError as exc:
+                raise self._blame_join(version, exc) from exc
+            silent = {w: why for w, why in silent.items() if w not in members.reported}
+            # a rank restarted meanwhile announced itself before it joined: meet it now
+            self.lead.meet(layout, own, version, deadline)
+            self._built_for = dict(self.lead.met)
+        return dead, silent
 
     def _blame_join(self, version: int, exc: WorkerLostError) -> BaseException:
         """The group could not be built: a rank that never started joining is lost."""
@@ -214,94 +233,59 @@ class RayLeadWriter(RayWriter):
             "a sharded trainer holds no whole snapshot to send again: a replacement actor "
             "joins at the next send")
 
-    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
-        """Signal every relay actor, then send rank 0's own pieces to each."""
-        flight, members, plan = self._flight, self.members, self._plan
-        assert flight is not None and flight.version == version and plan is not None
-        assert members.group is not None and self._wire_layout is not None
-        group = members.group
-        flight.sent = True
-        flight.keep = {w for w in targets if w not in members.reported}
+    def _send_own(self, flight: _Flight, regions: dict[int, dict[str, list[int]]],
+                  deadline: Deadline) -> None:
+        """Signal every relay actor, then send rank 0's own pieces to each (a stream that
+        breaks is rank 0's failure, said once every rank answered)."""
+        members, group, version = self.members, self.members.group, flight.version
+        assert group is not None and self._wire_layout is not None
+        flight.sent = True  # RayWriter.deliver has nothing left to do
         budget = share(deadline, BROADCAST_SHARE)
-        chunk_bytes = int(plan.detail["chunk_bytes"])
+        chunk_bytes = shard_stream.CHUNK_BYTES
         delivery = {"generation": group.info.generation, "checked": True,
                     "timeout_s": None if budget is None else budget * 0.95,
-                    "sharded": {"regions": self._regions, "chunk_bytes": chunk_bytes}}
+                    "sharded": {"regions": regions, "chunk_bytes": chunk_bytes}}
         flight.delivery = delivery
-        try:
-            for w, h in members.members.items():
-                if w in members.followers:
-                    continue  # signalled with its relay's answer
-                followers = [f for f in members.relays_of(w) if f in flight.keep]
-                flight.refs[w] = h._weightsync_receive.remote(
-                    version, w in flight.keep, None,
-                    delivery | {"relay": followers} if followers else delivery)
-        except BaseException as exc:
-            self._flight = None
-            self.committed = self._last_committed
-            self.lead.fail(version, exc)
-            raise
+        for w, h in members.members.items():
+            if w in members.followers:
+                continue  # signalled with its relay's answer
+            followers = [f for f in members.relays_of(w) if f in flight.keep]
+            flight.refs[w] = h._weightsync_receive.remote(
+                version, w in flight.keep, None,
+                delivery | {"relay": followers} if followers else delivery)
+        self.board.watch = lambda: self._watch(flight)
         self._own_error = None
         try:
-            send_pieces(group, self._pieces, self._wire_layout, self._regions[0],
+            send_pieces(group, self._pieces, self._wire_layout, regions[0],
                         sorted(group.info.ranks.values()), version, budget, chunk_bytes)
         except RuntimeError as exc:
             logger.warning("trainer rank 0: sending version %d failed: %s", version, exc)
             self._own_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return {}
 
     # ------------------------------------------------------------------ wait
-    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
-                   lost: Losses) -> None:
-        """Every rank's done and every relay's answer; a lost rank or a failed stream fails
-        the version for everyone (posted), else it is committed and the actors' answers are
-        judged as for an unsharded trainer."""
-        flight, plan = self._flight, self._plan
-        assert flight is not None and flight.version == version and plan is not None
-        try:
-            failures = self._wait_ranks(flight, plan, deadline)
-            if failures:
-                raise WeightSyncError(
-                    f"version {version} failed: {'; '.join(failures)}; no worker takes it, "
-                    "they keep the version they hold (the group is rebuilt at the next send)")
-        except BaseException as exc:
-            self._flight = None
-            self.committed = self._last_committed  # not counted by the sender
-            self.members.group = None  # rebuilt (with every rank) at the next send
-            self.lead.fail(version, exc)
-            self._answers_after_failure(flight, deadline)
-            raise
-        self.lead.commit()
-        self._last_committed = version
-        super().wait_acked(targets, version, deadline, lost)
+    def _watch(self, flight: _Flight) -> None:
+        """The relays that answered so far: the ranks whose stream one saw break."""
+        ray, refs = self.members._ray, list(flight.refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        for ref in ready:
+            try:
+                answer = ray.get(ref, timeout=0)
+            except Exception:  # judged by wait_acked
+                continue
+            if isinstance(answer, dict):
+                for r in answer.get("lost_ranks") or []:
+                    self.board.broken.setdefault(int(r), str(answer.get("refused")))
 
-    def _wait_ranks(self, flight: _Flight, plan: Plan, deadline: Deadline) -> list[str]:
-        """Every rank's done (a rank lost meanwhile raises), then every relay's answer
-        until ``deadline.ahead()``; returns what failed (a rank's or rank 0's own stream, a
-        relay's: the version cannot be whole)."""
-        ray = self.members._ray
+    def _wait_relays(self, flight: _Flight, dones: dict[int, Done], deadline: Deadline
+                     ) -> list[str]:
+        """Every relay's answer until ``deadline.ahead()``, once every rank is done; returns
+        what failed (a rank's or rank 0's own stream, a relay's: the version cannot be
+        whole)."""
         refs = list(flight.refs.values())
-
-        def watch() -> None:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-            for ref in ready:
-                try:
-                    answer = ray.get(ref, timeout=0)
-                except Exception:  # judged by super().wait_acked
-                    continue
-                if isinstance(answer, dict):
-                    for r in answer.get("lost_ranks") or []:
-                        self.board.broken.setdefault(int(r), str(answer.get("refused")))
-
-        self.board.watch = watch
-        try:
-            dones = self.lead.wait_done(plan, deadline)
-        finally:
-            self.board.watch = None
         if refs:
-            ahead = deadline.ahead()
-            ray.wait(refs, num_returns=len(refs), timeout=ahead.remaining())
-            watch()
+            self.members._ray.wait(refs, num_returns=len(refs),
+                                   timeout=deadline.ahead().remaining())
+            self._watch(flight)
         failures = [f"trainer rank {r}: {d.detail['error']}" for r, d in sorted(dones.items())
                     if d.detail.get("error")]
         if self._own_error is not None:

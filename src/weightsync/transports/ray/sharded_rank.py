@@ -1,42 +1,32 @@
-"""Ranks 1..N-1 of a sharded trainer on the Ray scheme: the rank protocol's member
-(:mod:`weightsync.transports.ranks.member`) over rank 0's rendezvous actor, plus Ray's data
-plane.
-
-Such a rank is a process connected to the Ray cluster that holds only its shards. It finds
-rank 0's rendezvous actor by name (in the scheme's namespace, since the ranks are separate
-Ray jobs) and posts its hello (a second live process claiming the same rank is refused).
-While it waits for a plan it joins each new group generation as group rank ``rank`` (group
-ranks ``0..N-1`` are the trainer's ranks); for the plan that names it, it streams its pieces
-to every relay actor (``shard_stream``), posts its done (with the error its stream hit, if
-any) and returns once rank 0 posted the outcome. The rendezvous actor dies with rank 0's
-process: that is :class:`TrainerRankLostError` naming rank 0. Its records are sealed with
-the ranks' key, and it takes only rank 0's records that prove it (``transports/ranks/seal.py``).
-"""
+"""Ranks 1..N-1 of a sharded trainer on the Ray scheme: a
+:class:`~weightsync.transports.ranks.member.MemberWriter` over rank 0's rendezvous actor
+(found by name in the scheme's namespace; the actor dies with rank 0's process, which is
+:class:`TrainerRankLostError` naming rank 0). While it waits for a plan the rank joins each
+new group generation as group rank ``rank``; for its plan it streams its pieces to every
+relay actor (``shard_stream``) and its done carries the error its stream hit, if any. Its
+records are sealed with the ranks' key, and it takes only rank 0's that prove it."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.core.endpoints import Losses
 from weightsync.core.errors import (
     IntegrityError,
     TrainerRankLostError,
     WeightSyncError,
 )
 from weightsync.core.layout import Layout
-from weightsync.core.shards import describe_regions, local_pieces
-from weightsync.core.versions import NO_VERSION
+from weightsync.core.shards import ShardPiece, describe_regions
 from weightsync.transports.ranks.board import POLL_S
-from weightsync.transports.ranks.liveness import process_detail
-from weightsync.transports.ranks.member import RankMember
-from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan, new_id
+from weightsync.transports.ranks.member import MemberWriter
+from weightsync.transports.ranks.records import Done, Hello, Outcome, Plan
 from weightsync.transports.ranks.seal import (
     DONE,
     HELLO,
@@ -56,14 +46,15 @@ CALL_TIMEOUT_S = 10.0
 
 class RayMemberBoard:
     """Rank ``rank``'s side of the board on rank 0's rendezvous actor (a
-    :class:`~weightsync.transports.ranks.board.MemberBoard`); joining group generations is
-    the data plane beside it."""
+    :class:`~weightsync.transports.ranks.board.MemberBoard`), and its data plane (a
+    :class:`~weightsync.transports.ranks.member.MemberPlane`): joining group generations,
+    streaming its pieces to the relays."""
 
     def __init__(self, rank: int, secret: str, rank_key: str, rendezvous_name: str,
-                 namespace: str) -> None:
+                 namespace: str, dtype: torch.dtype | None) -> None:
         import ray
 
-        self._ray, self.rank, self.secret = ray, rank, secret
+        self._ray, self.rank, self.secret, self.dtype = ray, rank, secret, dtype
         self.seal = RecordSeal(rank_key)
         self._drops = DropLog(logger)
         self.rendezvous_name, self.namespace = rendezvous_name, namespace
@@ -72,9 +63,9 @@ class RayMemberBoard:
         self._tried_generation = 0  # the newest generation this rank tried to join
         self._snapshot: dict[str, Any] = {}
 
-    def find(self, deadline: Deadline) -> int:
+    def start(self, deadline: Deadline) -> int:
         """Find rank 0's rendezvous actor (rank 0 may start later); returns the newest
-        version committed."""
+        version committed (a rank that joins late continues from there)."""
         while True:
             try:
                 self.actor = self._ray.get_actor(self.rendezvous_name, namespace=self.namespace)
@@ -186,41 +177,16 @@ class RayMemberBoard:
             self.group.close()
             self.group = None
 
-
-class RankRayWriter:
-    """Trainer rank ``rank`` (1..N-1): writes its pieces of each version rank 0 plans."""
-
-    needs_acks = False
-    sharded = True
-
-    def __init__(self, *, rank: int, secret: str, rank_key: str, rendezvous_name: str,
-                 namespace: str, dtype: torch.dtype | None) -> None:
-        self.rank = rank
-        self.dtype = dtype
-        self.joined_at = NO_VERSION
-        self.committed = NO_VERSION
-        self.board = RayMemberBoard(rank, secret, rank_key, rendezvous_name, namespace)
-        self.member = RankMember(self.board, rank)
-
-    def start(self, deadline: Deadline) -> None:
-        """Find rank 0's rendezvous actor, and the newest version committed: a rank that
-        joins late continues from there."""
-        self.joined_at = self.board.find(deadline)
-
-    def publish(self, flat: Mapping[str, torch.Tensor], layout: Layout, requested: list[int],
-                version: int, deadline: Deadline) -> Losses:
-        """Write this rank's pieces of the next version rank 0 plans for it and return once
-        rank 0 committed it; raise what rank 0 raised if it failed."""
+    # ------------------------------------------------------------------ as the member's plane
+    def writer(self, pieces: list[ShardPiece], layout: Layout, deadline: Deadline
+               ) -> Callable[[Plan], dict[str, Any]]:
+        """Stream ``pieces`` to every relay actor of the generation a plan names; the done
+        carries the error a stream hit, if any."""
         wire = layout.with_dtype(self.dtype).on_device("cpu")
-        pieces = local_pieces(flat, self.rank)
         regions = describe_regions(pieces)
-        known = self.member.hello
-        if known is None or known.fingerprint != layout.fingerprint or known.regions != regions:
-            self.member.announce(Hello(self.rank, new_id(), layout.to_dict(), layout.fingerprint,
-                                       regions, process_detail()))
 
         def write(plan: Plan) -> dict[str, Any]:
-            detail, group, error = plan.detail, self.board.group, None
+            detail, group, error = plan.detail, self.group, None
             if group is None or group.info.generation != detail.get("generation"):
                 error = f"it is not a member of group generation {detail.get('generation')}"
             else:
@@ -233,33 +199,23 @@ class RankRayWriter:
                     error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if error is not None:
                 logger.warning("trainer rank %d: version %d: %s", self.rank, plan.version, error)
-                self.board.drop_group()
+                self.drop_group()
             return {"error": error}
 
-        try:
-            self.committed = self.member.take_part(write, version, deadline)
-        except WeightSyncError:
-            failed = self.member.failed
-            if failed is not None and "generation" in failed.detail:
-                self.board.drop_group()  # rank 0 builds a new one for the next attempt
-            raise
-        return {}
+        return write
 
-    # ------------------------------------------------------------------ the rest
-    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
-        return {}  # done in publish: rank 0 signals the actors and collects their answers
+    def failed(self, plan: Plan | None) -> None:
+        if plan is not None and "generation" in plan.detail:
+            self.drop_group()  # rank 0 builds a new one for the next attempt
 
-    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
-                   lost: Losses) -> None:
-        """Nothing: rank 0 waits for the actors."""
+    def close(self, hello: Hello | None) -> None:
+        self.drop_group()
+        if hello is not None:
+            self.withdraw(hello)
 
-    def wait_joined(self, version: int, deadline: Deadline) -> None:
-        """Nothing: rank 0 waits for the actors."""
 
-    def held_versions(self) -> dict[int, int]:
-        return {}
-
-    def close(self) -> None:
-        self.board.drop_group()
-        if self.member.hello is not None:
-            self.board.withdraw(self.member.hello)
+def rank_ray_writer(*, rank: int, secret: str, rank_key: str, rendezvous_name: str,
+                    namespace: str, dtype: torch.dtype | None) -> MemberWriter:
+    """Trainer rank ``rank`` (1..N-1): writes its pieces of each version rank 0 plans."""
+    board = RayMemberBoard(rank, secret, rank_key, rendezvous_name, namespace, dtype)
+    return MemberWriter(rank, board, board, liveness=True)

@@ -1,37 +1,31 @@
 """SharedMem for a sharded trainer: every rank writes its own shards into the slot, at
-their global offsets, and a version is committed once all have written; no rank gathers
-the model and nothing runs on the trainer's process group.
-
-The coordination is the rank protocol (:mod:`weightsync.transports.ranks`) over its socket
-board, with SharedMem's slot messages (:mod:`.ranks`); what is SharedMem's is the data plane. Rank 0
-(:class:`RankZeroWriter`) is the usual SharedMem writer (workers connect to it, it owns the
-control block and the slot pool): for version n it meets the ranks, takes a free slot, posts
-the plan naming it, writes its own part, waits for every rank's done and only then
-publishes the slot, whole (a reader never follows a sharded pack piece by piece). A slot is
-handed to the ranks before it is sealed against writes (``memfd``), so they map it writable
-and workers never can; a rank that joins again gets fresh slots (the old ones are retired
-once free). Other ranks (:class:`RankWriter`) write where the plan says, within their own
-``send()``: the n-th committed send of every rank is version n.
-"""
+their global offsets; no rank gathers the model and nothing runs on the trainer's process
+group. The round is the rank protocol's (:mod:`weightsync.transports.ranks`) over its
+socket board; SharedMem supplies the slots. Rank 0 (:class:`RankZeroWriter`) is the usual
+SharedMem writer the workers know: the slot it takes is named in the plan, and it publishes
+the slot whole once every rank is done. A slot is handed to the ranks before it is sealed
+against writes (``memfd``), so they map it writable and workers never can; a rank that joins
+again gets fresh slots (the old ones are retired once free). Other ranks
+(:func:`rank_writer`) write where the plan says."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.endpoints import Losses
 from weightsync.core.errors import TrainerRankLostError
 from weightsync.core.layout import Layout
-from weightsync.core.shards import describe_regions, local_pieces, write_pieces
+from weightsync.core.shards import ShardPiece, describe_regions, local_pieces, write_pieces
 from weightsync.core.versions import NO_VERSION
 from weightsync.transports.memory.memfd import Segment
-from weightsync.transports.ranks.lead import RankLead
-from weightsync.transports.ranks.member import RankMember
-from weightsync.transports.ranks.records import Hello, Plan, new_id
+from weightsync.transports.ranks.lead import LeadRound, RankLead
+from weightsync.transports.ranks.member import MemberWriter
+from weightsync.transports.ranks.records import Hello, Plan
 from weightsync.transports.shm.endpoints import SharedMemWriter
-from weightsync.transports.shm.ranks import SlotHub, SlotLink
+from weightsync.transports.shm.ranks import SlotHub, slot_link
 from weightsync.transports.shm.slots import DEFAULT_MODEL_ID, _Slot
 
 logger = logging.getLogger(__name__)
@@ -48,7 +42,8 @@ class RankZeroWriter:
     def __init__(self, address: str, token: str, rank_key: str, uid: int, num_workers: int,
                  max_slots: int | None, trainer_ranks: int) -> None:
         self.inner = SharedMemWriter(address, token, uid, num_workers, max_slots)
-        self.hub = SlotHub(address, rank_key, uid, trainer_ranks)
+        self.slots = SlotHub(address, rank_key, uid, trainer_ranks)
+        self.hub = self.slots.board
         self.lead = RankLead(self.hub, trainer_ranks)
         self.committed = NO_VERSION
         #: slot index -> {rank: the connection that mapped it writable}
@@ -62,38 +57,38 @@ class RankZeroWriter:
 
     def publish(self, flat: Mapping[str, Any], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> Losses:
-        inner, lead = self.inner, self.lead
+        inner = self.inner
         inner.members.check_hub()
         pieces = local_pieces(flat, 0)
         self._answers_by = deadline.ahead()
 
-        def fill(slot: _Slot) -> None:
-            plan = lead.begin(version, {"slot": slot.index})
-            views = self._views.get(slot.index)
-            if views is None:
-                views = self._views[slot.index] = layout.tensor_views(slot.buffers)
-            write_pieces(pieces, views)
-            lead.wait_done(plan, deadline)
+        def body(round_: LeadRound) -> Losses:
+            def fill(slot: _Slot) -> None:  # the slot chosen: the plan names it
+                round_.write({"slot": slot.index},
+                             lambda plan: write_pieces(pieces, self._slot_views(slot, layout)))
 
-        try:
-            lead.meet(layout, describe_regions(pieces), version, deadline)
             with inner.members.joining:
                 reachable, lost = inner.members.reachable(requested)
                 inner.slots.publish_whole(
                     DEFAULT_MODEL_ID, layout, [w for w, _ in reachable], version, deadline,
                     fill, self._hand_out, self._usable)
-        except BaseException as exc:
-            lead.fail(version, exc)
-            raise
-        lead.commit()
+            return lost
+
+        lost = self.lead.run(version, deadline, lambda: (layout, describe_regions(pieces)), body)
         self.committed = version
         return lost
+
+    def _slot_views(self, slot: _Slot, layout: Layout) -> dict[str, Any]:
+        views = self._views.get(slot.index)
+        if views is None:
+            views = self._views[slot.index] = layout.tensor_views(slot.buffers)
+        return views
 
     # ------------------------------------------------------------------ slots
     def _hand_out(self, slot: _Slot) -> None:
         """A new slot, still unsealed: every rank maps it writable before anyone seals it."""
         seg = slot.segments["cpu"]
-        self._mapped[slot.index] = self.hub.hand_out(slot.index, seg.fd, seg.nbytes,
+        self._mapped[slot.index] = self.slots.hand_out(slot.index, seg.fd, seg.nbytes,
                                                      self._answers_by)
         self._views.pop(slot.index, None)
 
@@ -101,9 +96,9 @@ class RankZeroWriter:
         """Mapped writable by every rank's current connection; if not, it is retired (the
         ranks let their mappings go too)."""
         mapped = self._mapped.get(slot.index, {})
-        if all(mapped.get(r) == serial for r, serial in self.hub.serials().items()):
+        if all(mapped.get(r) == serial for r, serial in self.slots.serials().items()):
             return True
-        self.hub.retire(slot.index)
+        self.slots.retire(slot.index)
         self._mapped.pop(slot.index, None)
         self._views.pop(slot.index, None)
         return False
@@ -127,39 +122,26 @@ class RankZeroWriter:
         self.inner.close()
 
 
-class RankWriter:
-    """Rank ``rank`` > 0 of a sharded trainer: writes its shards where rank 0's plan says."""
-
-    needs_acks = False
-    sharded = True
+class SlotPlane:
+    """SharedMem's data plane on rank ``rank`` > 0: the slots rank 0 hands out, mapped
+    writable as they come; a send writes its shards where the plan says."""
 
     def __init__(self, address: str, rank_key: str, uid: int, rank: int) -> None:
         self.rank = rank
-        self.link = SlotLink(address, rank_key, uid, rank, self._map_slot, self._retire)
-        self.member = RankMember(self.link, rank)
-        self.committed = NO_VERSION
+        self.link = slot_link(address, rank_key, uid, rank, self._map_slot, self._retire)
         self._layout: Layout | None = None
         self._segments: dict[int, Segment] = {}
         self._views: dict[int, dict[str, Any]] = {}
 
-    @property
-    def joined_at(self) -> int:
+    def start(self, deadline: Deadline) -> int:
+        self.link.open(deadline)
         return self.link.joined_at
 
-    def start(self, deadline: Deadline) -> None:
-        self.link.open(deadline)
-
-    def publish(self, flat: Mapping[str, Any], layout: Layout, requested: list[int],
-                version: int, deadline: Deadline) -> Losses:
-        pieces = local_pieces(flat, self.rank)
-        regions = describe_regions(pieces)
+    def writer(self, pieces: list[ShardPiece], layout: Layout, deadline: Deadline
+               ) -> Callable[[Plan], dict[str, Any]]:
         if self._layout is None or self._layout.fingerprint != layout.fingerprint:
             self._views.clear()  # slots mapped for another layout: views made anew
         self._layout = layout
-        known = self.member.hello
-        if known is None or known.fingerprint != layout.fingerprint or known.regions != regions:
-            self.member.announce(Hello(self.rank, new_id(), layout.to_dict(), layout.fingerprint,
-                                       regions))
 
         def write(plan: Plan) -> dict[str, Any]:
             index = plan.detail.get("slot")
@@ -170,8 +152,10 @@ class RankWriter:
             write_pieces(pieces, views)
             return {}
 
-        self.committed = self.member.take_part(write, version, deadline)
-        return {}
+        return write
+
+    def failed(self, plan: Plan | None) -> None:
+        """Nothing to undo: rank 0 retires slots a failed rank may still write into."""
 
     def _slot_views(self, index: int) -> dict[str, Any] | None:
         views = self._views.get(index)
@@ -194,22 +178,16 @@ class RankWriter:
         if old is not None:
             old.close()
 
-    def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
-        return {}
-
-    def wait_acked(self, targets: list[int], version: int, deadline: Deadline,
-                   lost: Losses) -> None:
-        """Rank 0 confirms the version to the workers."""
-
-    def wait_joined(self, version: int, deadline: Deadline) -> None:
-        """Rank 0's ``connect()`` waits for the workers; this rank's ends at the commit."""
-
-    def held_versions(self) -> dict[int, int]:
-        return {}
-
-    def close(self) -> None:
+    def close(self, hello: Hello | None) -> None:
         self.link.close()
         self._views.clear()
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+
+
+def rank_writer(address: str, rank_key: str, uid: int, rank: int) -> MemberWriter:
+    """Rank ``rank`` > 0 of a sharded trainer on SharedMem: writes its shards where rank
+    0's plan says."""
+    plane = SlotPlane(address, rank_key, uid, rank)
+    return MemberWriter(rank, plane.link, plane)
