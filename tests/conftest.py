@@ -191,6 +191,9 @@ FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     # the vLLM trainer engine with two ranks (~30 s: a second rank process imports vLLM)
     ("tests/integrations/test_vllm_backend_sharded.py", "test_two_engine_ranks"),
     ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray
+    # the writer/reader suite on Ray (~50 s: a Ray instance, its actors, a rendezvous
+    # actor per writer); its other families stay
+    ("tests/transports/test_endpoints.py", "[ray"),
     ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
     # a real `vllm serve` (the default keeps vLLM engines in-process and its registration)
     ("tests/integrations/test_vllm_serve.py", "through_a_directory"),
