@@ -144,14 +144,16 @@ def _single_thread_torch() -> None:
 #: Tests that only the full run takes (`bash scripts/run.sh test-all`, what CI runs): the
 #: peer suite (TorchRL's own tests on our schemes), the two-host Ray clusters and `vllm
 #: serve` on a second host (network namespaces), Ray's one-node and sharded suites,
-#: TorchRL's collectors (the network scheme's collector test among them), RayCollector and
-#: AsyncVLLM, `vllm serve` with LoRA, vLLM tensor parallelism, the transformers end-to-end
-#: run, the sharded directory suite, the rank conformance suite on the directory and Ray,
+#: the writer/reader suite's Ray cases, TorchRL's collectors (the network scheme's
+#: collector test among them), RayCollector and AsyncVLLM, `vllm serve` with LoRA, vLLM
+#: tensor parallelism, the transformers end-to-end run, the sharded directory suite, the
+#: rank conformance suite on the directory and Ray,
 #: benches, demos and examples, and the single cases below. The README's default command
 #: (`bash scripts/run.sh test`) leaves them out so that it ends within 15 minutes in a
 #: fresh clone on two cores. What stays: the same-host contract suite
 #: (`tests/schemes/test_local_schemes.py`) on every scheme in `SCHEMES` above, SharedMem,
 #: MultiProcess and the network scheme (`NetWeightSyncScheme`, on loopback) among them;
+#: the writer/reader suite (`tests/transports/test_endpoints.py`) on every family but Ray;
 #: `NetWeightSyncScheme` across two hosts (network namespaces; skipped without root); the
 #: directory; the network path's pieces over loopback; Ray (two delta cases with real
 #: actors, the rest without a cluster); the rank conformance suite on SharedMem (and the
