@@ -125,7 +125,9 @@ class Ends:
         elif family == "net":
             scheme = ws.NetWeightSyncScheme(num_workers, address="127.0.0.1:0", timeout=30)
         elif family == "ray":
-            scheme = ws.RayWeightSyncScheme(num_workers, timeout=30)
+            # the group's broadcast, Ray's own path (on one node, node_local would hand the
+            # actors SharedMem's slot pool instead, which the shm families cover)
+            scheme = ws.RayWeightSyncScheme(num_workers, timeout=30, node_local=False)
         else:
             raise ValueError(family)
         return cls(family, scheme)

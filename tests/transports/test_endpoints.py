@@ -28,19 +28,19 @@ The seven transports of the tree, and how each is covered:
 - ``directory``: ``DirectoryWriter`` / ``DirectoryReader``;
 - ``net``: ``NetWriter`` / ``NetReader`` on loopback;
 - ``ray``: ``RayWriter`` in the test process, each ``RayReader`` in an actor of one local Ray
-  instance, on its node-local path (the actors copy each version out of the writer's slots);
+  instance, taking each version from the group's broadcast into its staging buffers
+  (``node_local=False``: on one node, the node-local path would copy out of SharedMem's
+  slot pool, which the ``shm`` cases cover; ``tests/schemes/test_ray_scheme.py`` runs both);
 - ``local`` (the Unix-socket hub, handshake, members and worker link) has no writer or
   reader of its own: it is the join, the acks and the loss detection of ``shm``,
   ``shm-zero-copy`` and ``mp`` (the handshake at ``open``, ``members`` in ``wait_acked`` /
   ``wait_joined`` / ``held_versions`` / ``deliver``'s losses, the link's goodbye and death
-  watch in ``check_sender``), and Ray's node-local path hands its segments over its
-  authenticated socket: every case of those families is one of its cases;
+  watch in ``check_sender``): every case of those families is one of its cases;
 - ``memory`` (memfd segments, the futex ring, CUDA IPC) has none either: its memfd
-  segments are the slots of ``shm`` (copied out, or mapped read-only by ``shm-zero-copy``)
-  and of Ray's node-local path, which also uses them; the futex ring is what a SharedMem
-  reader's ``wait`` sleeps on (the wait cases); ``close()`` must leave no memfd open in any
-  process (the versions case, for every family). CUDA IPC needs a GPU:
-  ``tests/schemes/test_cuda_shared_mem.py``.
+  segments are the slots of ``shm`` (copied out, or mapped read-only by ``shm-zero-copy``);
+  the futex ring is what a SharedMem reader's ``wait`` sleeps on (the wait cases);
+  ``close()`` must leave no memfd open in any process (the versions case, for every
+  family). CUDA IPC needs a GPU: ``tests/schemes/test_cuda_shared_mem.py``.
 
 Every wait has a timeout. The Ray cases share one module-scoped Ray instance.
 """
