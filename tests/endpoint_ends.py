@@ -235,6 +235,29 @@ def follow(reader: WeightReader, dest: dict[str, torch.Tensor], report: Report,
             return
 
 
+def poller(reader: WeightReader, dest: dict[str, torch.Tensor], report: Report,
+           stop: Any) -> None:
+    """Connect, then loop as ``poll()`` does (look, apply, else ``check_sender``; never
+    ``wait``), reporting as :func:`follow` does: the sender's loss must come from
+    ``check_sender`` alone."""
+    version = connect(reader, dest, Deadline(30))
+    report("applied", version, digest(dest))
+    while not stop.is_set():
+        applied = _look(reader, dest, version)
+        if applied is not None:
+            version = applied
+            reader.ack(version)
+            report("applied", version, digest(dest))
+            continue
+        t0 = time.monotonic()
+        try:
+            reader.check_sender(version)
+        except SenderLostError as exc:
+            report("sender-lost", version, str(exc), time.time(), time.monotonic() - t0)
+            return
+        time.sleep(0.01)
+
+
 def hammer(reader: WeightReader, dest: dict[str, torch.Tensor], report: Report,
            stop: Any) -> None:
     """Apply in a tight loop while versions of uniform values are published; after every
@@ -299,7 +322,8 @@ def mismatched(reader: WeightReader, dest: dict[str, torch.Tensor], report: Repo
 
 
 SCRIPTS: dict[str, Callable[[WeightReader, dict[str, torch.Tensor], Report, Any], None]] = {
-    "follow": follow, "hammer": hammer, "waiter": waiter, "mismatched": mismatched,
+    "follow": follow, "poller": poller, "hammer": hammer, "waiter": waiter,
+    "mismatched": mismatched,
 }
 
 

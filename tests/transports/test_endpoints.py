@@ -447,14 +447,17 @@ def _needs_acks(ends: Ends) -> bool:
 
 # ---------------------------------------------------------------------- 4. losses
 @pytest.mark.parametrize("how", ["closed", "killed"])
-def test_reader_learns_that_its_writer_left(readers: Callable[[int], Readers],
-                                            how: str) -> None:
+@pytest.mark.parametrize("loop", ["poller", "follow"])
+def test_reader_learns_that_its_writer_left(readers: Callable[[int], Readers], how: str,
+                                            loop: str) -> None:
+    """``loop``: as ``poll()`` does (``check_sender`` alone must say it), or as
+    ``receive()`` does (``check_sender`` or ``wait``)."""
     group = readers(1)
     if how == "killed" and group.on_ray:
         pytest.skip("the Ray writer lives in the driver, which holds the test's Ray instance; "
                     "a Ray reader sees its sender gone through the rendezvous actor, which "
                     "the closed case ends")
-    group.start("follow", 1)
+    group.start(loop, 1)
     writer = None
     if how == "closed":
         writer = group.writer()
