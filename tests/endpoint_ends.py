@@ -158,6 +158,19 @@ class Ends:
                          checksums=c.checksums, rendezvous_name=c.connection_info_name,
                          secret=c.secret, timeout=timeout)
 
+    def named_files(self, writer: WeightWriter) -> list[str]:
+        """The names in shared memory that this family's ends make while they run (the
+        network readers' host stage; the others use memfd segments, which have none),
+        for a started ``writer``: none may be left once both ends closed."""
+        if self.family != "net":
+            return []
+        from weightsync.transports.net import host_stage
+
+        c = self.scheme.config
+        key = f"{c.address}/{c.token}/{writer.publisher.session}"  # type: ignore[attr-defined]
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        return [str(host_stage._parent() / f"{host_stage.PREFIX}{os.getuid()}-{digest}")]
+
     def reader(self, idx: int) -> WeightReader:
         """Worker ``idx``'s reader, made in the calling process (Ray's is made by the
         actor's receiver, see ``endpoint_actors.py``)."""
