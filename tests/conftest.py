@@ -144,14 +144,16 @@ def _single_thread_torch() -> None:
 #: Tests that only the full run takes (`bash scripts/run.sh test-all`, what CI runs): the
 #: peer suite (TorchRL's own tests on our schemes), the two-host Ray clusters and `vllm
 #: serve` on a second host (network namespaces), Ray's one-node and sharded suites,
-#: TorchRL's collectors (the network scheme's collector test among them), RayCollector and
-#: AsyncVLLM, `vllm serve` with LoRA, vLLM tensor parallelism, the transformers end-to-end
-#: run, the sharded directory suite, the rank conformance suite on the directory, Ray and the
-#: network path, benches, demos and examples, and the single cases below. The README's default command
+#: the writer/reader suite's Ray cases, TorchRL's collectors (the network scheme's
+#: collector test among them), RayCollector and AsyncVLLM, `vllm serve` with LoRA, vLLM
+#: tensor parallelism, the transformers end-to-end run, the sharded directory suite, the
+#: rank conformance suite on the directory, Ray and the network path, benches, demos and
+#: examples, and the single cases below. The README's default command
 #: (`bash scripts/run.sh test`) leaves them out so that it ends within 15 minutes in a
 #: fresh clone on two cores. What stays: the same-host contract suite
 #: (`tests/schemes/test_local_schemes.py`) on every scheme in `SCHEMES` above, SharedMem,
 #: MultiProcess and the network scheme (`NetWeightSyncScheme`, on loopback) among them;
+#: the writer/reader suite (`tests/transports/test_endpoints.py`) on every family but Ray;
 #: `NetWeightSyncScheme` across two hosts (network namespaces; skipped without root); the
 #: directory; the network path's pieces over loopback; Ray (two delta cases with real
 #: actors, the rest without a cluster); the rank conformance suite on SharedMem (and the
@@ -192,6 +194,9 @@ FULL_TIER_CASES: tuple[tuple[str, str], ...] = (
     # the vLLM trainer engine with two ranks (~30 s: a second rank process imports vLLM)
     ("tests/integrations/test_vllm_backend_sharded.py", "test_two_engine_ranks"),
     ("tests/faults/test_rank_protocol.py", "[ray"),  # the conformance suite on Ray
+    # the writer/reader suite on Ray (~50 s: a Ray instance, its actors, a rendezvous
+    # actor per writer); its other families stay
+    ("tests/transports/test_endpoints.py", "[ray"),
     ("tests/faults/test_rank_protocol.py", "[directory"),  # and on the directory
     ("tests/faults/test_rank_protocol.py", "[net"),  # and on the network path
     # a real `vllm serve` (the default keeps vLLM engines in-process and its registration)
