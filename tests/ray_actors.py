@@ -94,21 +94,36 @@ class Collector(RayWeightReceiverMixin):
     def default_group_initialised(self):
         return torch.distributed.is_initialized()
 
-    def hammer(self, seconds):
-        """Poll in a tight loop (a threaded actor receives meanwhile); check every tensor
-        equals the version the receiver says it holds."""
+    def hammer(self, seconds, until=None):
+        """Poll in a tight loop (a threaded actor receives meanwhile) for ``seconds`` (or
+        until version ``until`` is held); check every tensor equals the version the
+        receiver says it holds. Before its first apply (version -1) the actor holds its
+        own initial weights, not version 0: a poll() may return None while a version is
+        on its way (a node-local slot still being packed, or whose handle has not come),
+        and the sender's connect() only delivers version 0, it applies nothing. Returns
+        (reads, violations, applied, version held, reads made before the first apply)."""
         receiver = self.weightsync_receiver
         tensors = list(self.model.state_dict().values())
-        reads = violations = applied = 0
+        initial = [t.clone() for t in tensors] if receiver.version < 0 else None
+        reads = violations = applied = unversioned = 0
+        self.hammering = True
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and (until is None or receiver.version < until):
             if receiver.poll() is not None:
                 applied += 1
-            expected = float(max(receiver.version, 0))
-            if any(not bool((t == expected).all()) for t in tensors):
-                violations += 1
+            if receiver.version < 0:
+                assert initial is not None
+                unversioned += 1
+                torn = any(not torch.equal(t, i) for t, i in zip(tensors, initial, strict=True))
+            else:
+                expected = float(receiver.version)
+                torn = any(not bool((t == expected).all()) for t in tensors)
+            violations += torn
             reads += 1
-        return reads, violations, applied, receiver.version
+        return reads, violations, applied, receiver.version, unversioned
+
+    def hammer_started(self):
+        return getattr(self, "hammering", False)
 
 
 @ray.remote(num_cpus=0)

@@ -104,7 +104,7 @@ def test_tear_free_hammer_across_hosts(actors):
         for version in range(1, 61):
             fill_all(model, float(version))
             assert sender.send(timeout=30) == version
-        for reads, violations, applied, final in ray.get(runs, timeout=60):
+        for reads, violations, applied, final, _ in ray.get(runs, timeout=60):
             assert violations == 0, f"{violations} torn reads of {reads}"
             assert reads >= 100 and applied >= 2 and final == 60
 

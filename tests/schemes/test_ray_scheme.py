@@ -184,9 +184,37 @@ def test_tear_free_hammer_with_threaded_actors(actors, node_local):
         for version in range(1, 101):
             fill_all(model, float(version))
             assert sender.send(timeout=30) == version
-        for reads, violations, applied, final in ray.get(runs, timeout=60):
+        for reads, violations, applied, final, _ in ray.get(runs, timeout=60):
             assert violations == 0, f"{violations} torn reads of {reads}"
             assert reads >= 1000 and applied >= 2 and final == 100
+
+
+def test_hammer_reads_before_the_first_apply_see_the_actors_own_weights(actors, node_local):
+    """Until its first apply (version -1) an actor holds its own initial weights, not
+    version 0: the sender's connect() delivers version 0 but applies nothing, and a poll()
+    may return None while a version is on its way (on a loaded machine the hammer's first
+    poll once met a node-local slot still being packed, and the check of version "0"
+    counted the actor's initial weights as a torn read). Here the hammer polls from before
+    the sender exists, so its first reads are made at version -1, and are checked."""
+    scheme = ws.RayWeightSyncScheme(num_workers=2, timeout=30, node_local=node_local)
+    group = actors(scheme, 2, width=64, max_concurrency=2)
+    runs = [a.hammer.remote(60.0, until=10) for a in group]
+    deadline = time.monotonic() + 30
+    while not all(ray.get([a.hammer_started.remote() for a in group], timeout=30)):
+        assert time.monotonic() < deadline, "the hammers did not start"
+        time.sleep(0.01)
+    model = make_model(64)
+    fill_all(model, 0.0)
+    with scheme.create_sender(group) as sender:
+        sender.register_model(model)
+        sender.connect(timeout=60)
+        for version in range(1, 11):
+            fill_all(model, float(version))
+            assert sender.send(timeout=30) == version
+        for reads, violations, applied, final, unversioned in ray.get(runs, timeout=60):
+            assert unversioned > 0  # reads made before the first apply were checked
+            assert violations == 0, f"{violations} torn reads of {reads}"
+            assert applied >= 1 and final == 10
 
 
 def test_killed_actor_raises_then_survivors_and_replacement(actors, node_local):

@@ -21,7 +21,8 @@ Verify = Callable[[int, Buffers, Any], None]
 
 
 class StagingBuffers:
-    """Double-buffered landing zone for incoming versions of one layout."""
+    """Double-buffered landing zone for incoming versions of one layout (a third buffer
+    only if a version not kept arrives while one is applied and another staged)."""
 
     def __init__(self, layout: Layout, verify: Verify | None = None) -> None:
         self.layout = layout
@@ -34,14 +35,21 @@ class StagingBuffers:
     def fill(self, version: int, write: Callable[[Buffers], Any], keep: bool = True) -> int:
         """Let ``write`` fill a buffer nobody is applying (and return the proof to verify it
         by, or None); stage it as ``version`` if ``keep`` (else the bytes are only taken,
-        e.g. to take part in a collective)."""
+        e.g. to take part in a collective). A version that is kept may overwrite the one
+        staged (it is newer); one that is not never does: with one buffer being applied
+        and the other staged, its bytes land in a third buffer (allocated then, kept)."""
         with self.lock:
             staged_idx = None if self.staged is None else self.staged[1]
-            free = [i for i in (0, 1) if i != self.applying and i != staged_idx]
-            idx = free[0] if free else staged_idx
-            assert idx is not None
-            if idx == staged_idx and keep:
+            free = [i for i in range(len(self.buffers))
+                    if i != self.applying and i != staged_idx]
+            idx = free[0] if free else staged_idx if keep else None
+            if idx is not None and idx == staged_idx:
                 self.staged = None  # about to be overwritten by a newer version
+        if idx is None:  # allocated outside the lock: poll() never waits for it
+            spare = self.layout.allocate()
+            with self.lock:
+                self.buffers.append(spare)
+                idx = len(self.buffers) - 1
         proof = write(self.buffers[idx])
         if keep:
             with self.lock:
