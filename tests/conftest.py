@@ -235,8 +235,11 @@ VLLM_LANE: tuple[str, ...] = (
 )
 #: Tests that measure against the clock or against the whole machine (an accept flood under
 #: a low open-file limit, a thousand tear-free reads while ranks write flat out, nothing new
-#: left in /dev/shm): `scripts/run.sh` runs them after the parallel part, alone.
+#: left in /dev/shm; Ray's rank processes, whose actors did not start within their 60 s
+#: beside another worker's Ray cluster in two parallel runs of two): `scripts/run.sh` runs
+#: them after the parallel part, alone.
 SERIAL: tuple[tuple[str, str], ...] = (
+    ("tests/faults/test_rank_protocol.py", "[ray"),
     ("tests/transports/test_local_listener.py", "accept_flood"),
     ("tests/transports/test_net_listener.py", "accept_flood"),
     ("tests/schemes/test_local_schemes.py", "leave_nothing_behind"),
@@ -246,10 +249,35 @@ SERIAL: tuple[tuple[str, str], ...] = (
 )
 
 
+#: The longest lanes (minutes each on two cores, from ``--durations`` of a parallel run),
+#: longest first: they are handed out before every other lane, so that none of them starts
+#: last and runs alone at the end while the other worker idles.
+LONGEST_LANES: tuple[str, ...] = (
+    "tests/integrations/test_vllm_serve_remote.py",
+    "tests/torchrl_compat/test_distributed.py",
+    "tests/torchrl_compat/test_collectors.py",
+    "vllm",
+    "tests/integrations/test_vllm_serve_lora_remote.py",
+    "tests/integrations/test_torchrl_ray.py",
+    "tests/faults/test_rank_protocol.py",
+    "tests/test_demo_llm.py",
+    "tests/test_examples.py",
+    "tests/integrations/test_vllm_serve.py",
+    "tests/integrations/test_torchrl_collectors.py",
+    "tests/schemes/test_sharded_ray.py",
+)
+
+
 def lane(nodeid: str) -> str:
     """The lane of a test: its module, or the shared lane its module belongs to."""
     module = nodeid.split("::", 1)[0]
     return "vllm" if module.startswith(VLLM_LANE) else module
+
+
+def lane_rank(item: pytest.Item) -> int:
+    """Where a test's lane comes in the hand-out: the longest lanes first, in their order."""
+    name = lane(item.nodeid)
+    return LONGEST_LANES.index(name) if name in LONGEST_LANES else len(LONGEST_LANES)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -260,6 +288,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # the lanes come in the order the tests are sorted
+
     class LaneScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return lane(nodeid)
@@ -268,6 +298,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lane_rank)  # stable: each module's tests keep their order
     for item in items:
         if in_full_tier(item.nodeid):
             item.add_marker(pytest.mark.full)
