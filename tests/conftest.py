@@ -222,7 +222,7 @@ def in_full_tier(nodeid: str) -> bool:
 
 # ---------------------------------------------------------------------- parallel lanes
 #: `scripts/run.sh` runs the suite on two pytest-xdist workers (``-n 2 --dist loadscope``):
-#: on two cores a single run leaves one idle most of the time (its processes mostly wait on
+#: a single run keeps about 0.7 of two cores busy on average (its processes often wait on
 #: each other). Work is handed out by lane (:class:`LaneScheduling`): each module is a lane
 #: of its own, run whole by one worker, so its module-scoped clusters and servers start
 #: once. The modules below share the "vllm" lane: they use the session's shared vLLM engine
