@@ -19,6 +19,22 @@ from workers import StopFlag
 
 import weightsync as ws
 
+#: Processes started without a context of their own (TorchRL's collector workers among
+#: them, which TorchRL would spawn) come from a fork server that imported torch, TorchRL
+#: and weightsync once: a spawned worker imports them again, 10-13 s of CPU each on two
+#: cores (TorchRL's peer suite: 370 s spawned, 49 s from the fork server, alone). They
+#: still start as spawned ones do, from a fresh interpreter with their arguments pickled.
+#: Set before TorchRL's import, which would set "spawn"; the server starts with the session
+#: (`_fork_server`), so it holds the environment of no single test.
+#: ``WEIGHTSYNC_TEST_START_METHOD=spawn`` starts them as TorchRL does by default.
+START_METHOD = os.environ.get("WEIGHTSYNC_TEST_START_METHOD", "forkserver")
+FORKSERVER_PRELOAD = ["torch", "tensordict", "torchrl", "torchrl.collectors", "torchrl.envs",
+                      "gymnasium", "weightsync"]
+if mp.get_start_method(allow_none=True) is None:
+    mp.set_start_method(START_METHOD)
+    if START_METHOD == "forkserver":
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+
 
 def _zero_copy_scheme(*args: Any, **kwargs: Any) -> ws.SharedMemWeightSyncScheme:
     """SharedMem whose receivers default to zero-copy (weights are views into the slot)."""
@@ -135,6 +151,16 @@ def workers() -> Iterator[Workers]:
     pool.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server() -> None:
+    """Start the fork server (if it is the start method) before any test changes the
+    environment its processes would inherit."""
+    if mp.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 @pytest.fixture(autouse=True)
 def _single_thread_torch() -> None:
     torch.set_num_threads(1)
@@ -233,13 +259,31 @@ VLLM_LANE: tuple[str, ...] = (
     "tests/integrations/test_vllm_extension.py",
     "tests/integrations/test_vllm_sharded_trainer.py",
 )
+#: The "ray" lane: every test that starts a Ray cluster and keeps it for more than a few
+#: seconds, so that one worker runs them one after the other and two Ray clusters never
+#: share the two cores. Beside another worker's Ray cluster, Ray's actors and rank
+#: processes missed their 60-120 s start-up deadlines (two CI runs, five Ray tests).
+RAY_LANE: tuple[str, ...] = (
+    "tests/torchrl_compat/test_distributed.py",
+    "tests/schemes/test_ray_scheme.py",
+    "tests/schemes/test_sharded_ray.py",
+    "tests/schemes/test_ray_delta.py",
+    "tests/schemes/test_ray_multihost.py",
+    "tests/schemes/test_ray_delta_multihost.py",
+    "tests/integrations/test_torchrl_ray.py",
+    "tests/integrations/test_torchrl_ray_multihost.py",
+    "tests/integrations/test_torchrl_async_vllm.py",
+)
+#: single cases of other modules that join the "ray" lane: (module, a piece of the test id)
+RAY_LANE_CASES: tuple[tuple[str, str], ...] = (
+    ("tests/faults/test_rank_protocol.py", "[ray"),
+    ("tests/transports/test_endpoints.py", "[ray"),
+    ("tests/integrations/test_torchrl_collectors.py", "test_ray_collector"),
+)
 #: Tests that measure against the clock or against the whole machine (an accept flood under
 #: a low open-file limit, a thousand tear-free reads while ranks write flat out, nothing new
-#: left in /dev/shm; Ray's rank processes, whose actors did not start within their 60 s
-#: beside another worker's Ray cluster in two parallel runs of two): `scripts/run.sh` runs
-#: them after the parallel part, alone.
+#: left in /dev/shm): `scripts/run.sh` runs them after the parallel part, alone.
 SERIAL: tuple[tuple[str, str], ...] = (
-    ("tests/faults/test_rank_protocol.py", "[ray"),
     ("tests/transports/test_local_listener.py", "accept_flood"),
     ("tests/transports/test_net_listener.py", "accept_flood"),
     ("tests/schemes/test_local_schemes.py", "leave_nothing_behind"),
@@ -253,25 +297,28 @@ SERIAL: tuple[tuple[str, str], ...] = (
 #: longest first: they are handed out before every other lane, so that none of them starts
 #: last and runs alone at the end while the other worker idles.
 LONGEST_LANES: tuple[str, ...] = (
+    "ray",
     "tests/integrations/test_vllm_serve_remote.py",
-    "tests/torchrl_compat/test_distributed.py",
     "tests/torchrl_compat/test_collectors.py",
     "vllm",
     "tests/integrations/test_vllm_serve_lora_remote.py",
-    "tests/integrations/test_torchrl_ray.py",
     "tests/faults/test_rank_protocol.py",
     "tests/test_demo_llm.py",
     "tests/test_examples.py",
     "tests/integrations/test_vllm_serve.py",
     "tests/integrations/test_torchrl_collectors.py",
-    "tests/schemes/test_sharded_ray.py",
 )
 
 
 def lane(nodeid: str) -> str:
     """The lane of a test: its module, or the shared lane its module belongs to."""
     module = nodeid.split("::", 1)[0]
-    return "vllm" if module.startswith(VLLM_LANE) else module
+    if module.startswith(VLLM_LANE):
+        return "vllm"
+    if module.startswith(RAY_LANE) or any(
+            module == name and piece in nodeid for name, piece in RAY_LANE_CASES):
+        return "ray"
+    return module
 
 
 def lane_rank(item: pytest.Item) -> int:
