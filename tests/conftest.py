@@ -22,8 +22,8 @@ import weightsync as ws
 #: Processes started without a context of their own (TorchRL's collector workers among
 #: them, which TorchRL would spawn) come from a fork server that imported torch, TorchRL
 #: and weightsync once: a spawned worker imports them again, 10-13 s of CPU each on two
-#: cores (TorchRL's peer suite: 370 s spawned, 49 s from the fork server, alone). They
-#: still start as spawned ones do, from a fresh interpreter with their arguments pickled.
+#: cores (TorchRL's peer suite: 370 s spawned, 49 s from the fork server, alone). As with
+#: spawn, they inherit nothing of the test's process and get their arguments pickled.
 #: Set before TorchRL's import, which would set "spawn"; the server starts with the session
 #: (`_fork_server`), so it holds the environment of no single test.
 #: ``WEIGHTSYNC_TEST_START_METHOD=spawn`` starts them as TorchRL does by default.
