@@ -1,0 +1,94 @@
+"""The processes of ``NetWeightSyncScheme(trainer_ranks=2)`` tests: a trainer rank that
+sends its ``LocalShard`` rows of each version it is told to, and a worker that checks each
+version it applies against the whole version (tear-free). Each reports on its ``out`` queue
+and takes commands from its ``commands`` queue (``rank_harness.RankProcesses``)."""
+
+from __future__ import annotations
+
+import queue
+import traceback
+from typing import Any
+
+import torch
+from rank_harness import NET_COLS, NET_ROWS, full_weights, rank_flat
+
+import weightsync as ws
+
+#: how long a process waits for its next command before it gives up
+IDLE_S = 60.0
+
+
+def _error(exc: BaseException) -> tuple[Any, ...]:
+    return ("error", type(exc).__name__, getattr(exc, "rank", None),
+            list(getattr(exc, "worker_ids", ()) or ()), str(exc))
+
+
+def trainer_rank(scheme: Any, rank: int, timeout: float, out: Any, commands: Any) -> None:
+    """Rank ``rank``: ``("connect",)`` or ``("send", v)`` (its rows of version ``v``'s
+    weights) answer ``("ok", version)`` or the error; ``("close",)`` ends it."""
+    try:
+        _serve_rank(scheme, rank, timeout, out, commands)
+    except BaseException as exc:  # reported, never lost
+        out.put(("crashed", type(exc).__name__, str(exc), traceback.format_exc()))
+        raise
+
+
+def _serve_rank(scheme: Any, rank: int, timeout: float, out: Any, commands: Any) -> None:
+    sender = scheme.create_sender(rank=rank)
+    sender.register_model(rank_flat(rank, 0))
+    try:
+        while True:
+            command = commands.get(timeout=IDLE_S)
+            if command[0] == "close":
+                return
+            try:
+                if command[0] == "connect":
+                    out.put(("ok", sender.connect(timeout=timeout)))
+                else:
+                    out.put(("ok", sender.send(rank_flat(rank, command[1]), timeout=timeout)))
+            except ws.WeightSyncError as exc:
+                out.put(_error(exc))
+    finally:
+        sender.close()
+
+
+def matches(model: dict[str, torch.Tensor], version: int, dtype: torch.dtype | None) -> bool:
+    """``model`` holds exactly version ``version`` (as cast to ``dtype`` on the wire)."""
+    for name, want in full_weights(version).items():
+        if dtype is not None:
+            want = want.to(dtype).to(want.dtype)
+        if not torch.equal(model[name], want):
+            return False
+    return True
+
+
+def worker(scheme: Any, idx: int, timeout: float, out: Any, commands: Any) -> None:
+    """Worker ``idx``: connects, then reports ``("version", v, matches)`` for each version
+    it applies until told ``("close",)``; a weightsync error is reported and ends it."""
+    try:
+        _work(scheme, idx, timeout, out, commands)
+    except BaseException as exc:  # reported, never lost
+        out.put(("crashed", type(exc).__name__, str(exc), traceback.format_exc()))
+        raise
+
+
+def _work(scheme: Any, idx: int, timeout: float, out: Any, commands: Any) -> None:
+    model = {"bias": torch.zeros(5), "matrix": torch.zeros(NET_ROWS, NET_COLS)}
+    receiver = scheme.create_receiver(idx)
+    receiver.register_model(model)
+    try:
+        version = receiver.connect(timeout=timeout)
+        out.put(("version", version, matches(model, version, scheme.dtype)))
+        while True:
+            try:
+                if commands.get_nowait()[0] == "close":
+                    return
+            except queue.Empty:
+                pass
+            got = receiver.receive(timeout=0.2)
+            if got is not None:
+                out.put(("version", got, matches(model, got, scheme.dtype)))
+    except ws.WeightSyncError as exc:
+        out.put(_error(exc))
+    finally:
+        receiver.close()
