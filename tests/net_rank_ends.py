@@ -23,19 +23,22 @@ def _error(exc: BaseException) -> tuple[Any, ...]:
             list(getattr(exc, "worker_ids", ()) or ()), str(exc))
 
 
-def trainer_rank(scheme: Any, rank: int, timeout: float, out: Any, commands: Any) -> None:
-    """Rank ``rank``: ``("connect",)`` or ``("send", v)`` (its rows of version ``v``'s
-    weights) answer ``("ok", version)`` or the error; ``("close",)`` ends it."""
+def trainer_rank(scheme: Any, rank: int, timeout: float, first: int, out: Any,
+                 commands: Any) -> None:
+    """Rank ``rank``, registering its rows of version ``first``: ``("connect",)`` or
+    ``("send", v[, timeout])`` (its rows of version ``v``) answer ``("ok", version)`` or the
+    error; ``("close",)`` ends it."""
     try:
-        _serve_rank(scheme, rank, timeout, out, commands)
+        _serve_rank(scheme, rank, timeout, first, out, commands)
     except BaseException as exc:  # reported, never lost
         out.put(("crashed", type(exc).__name__, str(exc), traceback.format_exc()))
         raise
 
 
-def _serve_rank(scheme: Any, rank: int, timeout: float, out: Any, commands: Any) -> None:
+def _serve_rank(scheme: Any, rank: int, timeout: float, first: int, out: Any,
+                commands: Any) -> None:
     sender = scheme.create_sender(rank=rank)
-    sender.register_model(rank_flat(rank, 0))
+    sender.register_model(rank_flat(rank, first))
     try:
         while True:
             command = commands.get(timeout=IDLE_S)
@@ -45,7 +48,8 @@ def _serve_rank(scheme: Any, rank: int, timeout: float, out: Any, commands: Any)
                 if command[0] == "connect":
                     out.put(("ok", sender.connect(timeout=timeout)))
                 else:
-                    out.put(("ok", sender.send(rank_flat(rank, command[1]), timeout=timeout)))
+                    out.put(("ok", sender.send(rank_flat(rank, command[1]),
+                                               timeout=(*command, timeout)[2])))
             except ws.WeightSyncError as exc:
                 out.put(_error(exc))
     finally:

@@ -33,7 +33,7 @@ def _scheme(num_workers: int, **options: object) -> ws.NetWeightSyncScheme:
 
 def _start(procs: RankProcesses, scheme: ws.NetWeightSyncScheme, workers: list[int]) -> None:
     for rank in range(2):
-        procs.start(("rank", rank), ends.trainer_rank, scheme, rank, TIMEOUT)
+        procs.start(("rank", rank), ends.trainer_rank, scheme, rank, TIMEOUT, 0)
     for idx in workers:
         procs.start(("worker", idx), ends.worker, scheme.for_workers(), idx, TIMEOUT)
 
@@ -73,19 +73,22 @@ def test_two_ranks_serve_two_workers_whole_versions(procs: RankProcesses,
 def test_a_killed_rank_fails_the_version_and_a_restarted_one_takes_its_number(
         procs: RankProcesses):
     """Rank 1 is killed inside its send: rank 0's send raises ``TrainerRankLostError``
-    naming rank 1 and the worker applies nothing new; a new rank 1 joins and version 1
-    (the failed one's number) reaches the worker whole."""
+    naming rank 1 (once its deadline passed without rank 1 back) and the worker applies
+    nothing new; a new rank 1 joins (its ``connect()`` writes the next version, as a rank
+    that joins late does) and version 1 (the failed one's number) reaches the worker whole."""
     scheme = _scheme(1)
     _start(procs, scheme, [0])
     assert _both(procs, "connect") == [("ok", 0), ("ok", 0)]
     assert _applied(procs, 0, 0) == [0]
     procs.tell(("rank", 1), "send", 1)
     procs.kill(("rank", 1))
-    procs.tell(("rank", 0), "send", 1)
+    procs.tell(("rank", 0), "send", 1, 5.0)
     word = procs.next(("rank", 0), WORD_S)
     assert word[:3] == ("error", "TrainerRankLostError", 1), word
-    procs.start(("rank", 1), ends.trainer_rank, scheme, 1, TIMEOUT)
-    assert _both(procs, "send", 1) == [("ok", 1), ("ok", 1)]
+    procs.start(("rank", 1), ends.trainer_rank, scheme, 1, TIMEOUT, 1)
+    procs.tell(("rank", 0), "send", 1)
+    procs.tell(("rank", 1), "connect")
+    assert [procs.next(("rank", r), WORD_S) for r in range(2)] == [("ok", 1), ("ok", 1)]
     assert _applied(procs, 0, 1) == [1]  # nothing between: version 1, whole, once
 
 
