@@ -5,7 +5,10 @@ and takes commands from its ``commands`` queue (``rank_harness.RankProcesses``).
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import time
 import traceback
 from typing import Any
 
@@ -66,14 +69,34 @@ def matches(model: dict[str, torch.Tensor], version: int, dtype: torch.dtype | N
     return True
 
 
-def worker(scheme: Any, idx: int, timeout: float, out: Any, commands: Any) -> None:
+def worker(scheme: Any, idx: int, timeout: float, kill: tuple[int, int] | None, out: Any,
+           commands: Any) -> None:
     """Worker ``idx``: connects, then reports ``("version", v, matches)`` for each version
-    it applies until told ``("close",)``; a weightsync error is reported and ends it."""
+    it applies until told ``("close",)``; a weightsync error is reported and ends it.
+    ``kill=(pid, v)``: this host's first fetch of version ``v`` starts by killing ``pid``
+    (a trainer rank dies while the hosts fetch)."""
+    if kill is not None:
+        _kill_when_fetching(*kill)
     try:
         _work(scheme, idx, timeout, out, commands)
     except BaseException as exc:  # reported, never lost
         out.put(("crashed", type(exc).__name__, str(exc), traceback.format_exc()))
         raise
+
+
+def _kill_when_fetching(pid: int, version: int) -> None:
+    from weightsync.transports.net import reader
+
+    fetch, killed = reader.fetch_packed, []
+
+    def killing(fetcher: Any, addresses: Any, credential: str, want: int, *args: Any) -> Any:
+        if want == version and not killed:
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)  # gone: its listener refuses the fetch
+        return fetch(fetcher, addresses, credential, want, *args)
+
+    reader.fetch_packed = killing  # type: ignore[assignment]
 
 
 def _work(scheme: Any, idx: int, timeout: float, out: Any, commands: Any) -> None:

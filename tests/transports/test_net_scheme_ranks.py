@@ -31,11 +31,15 @@ def _scheme(num_workers: int, **options: object) -> ws.NetWeightSyncScheme:
                                   **options)  # type: ignore[arg-type]
 
 
-def _start(procs: RankProcesses, scheme: ws.NetWeightSyncScheme, workers: list[int]) -> None:
+def _start(procs: RankProcesses, scheme: ws.NetWeightSyncScheme, workers: list[int],
+           kill_rank_1_at: int | None = None) -> None:
+    """The two ranks, then the ``workers``; ``kill_rank_1_at``: their host's fetch of that
+    version starts by killing rank 1."""
     for rank in range(2):
         procs.start(("rank", rank), ends.trainer_rank, scheme, rank, TIMEOUT, 0)
+    kill = None if kill_rank_1_at is None else (procs.processes[("rank", 1)].pid, kill_rank_1_at)
     for idx in workers:
-        procs.start(("worker", idx), ends.worker, scheme.for_workers(), idx, TIMEOUT)
+        procs.start(("worker", idx), ends.worker, scheme.for_workers(), idx, TIMEOUT, kill)
 
 
 def _both(procs: RankProcesses, *command: object) -> list[tuple[object, ...]]:
@@ -70,21 +74,21 @@ def test_two_ranks_serve_two_workers_whole_versions(procs: RankProcesses,
         assert seen == sorted(set(seen)) and seen[0] == 0, seen
 
 
-def test_a_killed_rank_fails_the_version_and_a_restarted_one_takes_its_number(
+def test_a_rank_killed_while_the_host_fetches_fails_the_version_and_a_restarted_one_takes_its_number(
         procs: RankProcesses):
-    """Rank 1 is killed inside its send: rank 0's send raises ``TrainerRankLostError``
-    naming rank 1 (once its deadline passed without rank 1 back) and the worker applies
-    nothing new; a new rank 1 joins (its ``connect()`` writes the next version, as a rank
-    that joins late does) and version 1 (the failed one's number) reaches the worker whole."""
-    scheme = _scheme(1)
-    _start(procs, scheme, [0])
+    """Rank 1 is killed as the worker's host starts to fetch version 1 (SIGKILL): rank 0's
+    send raises ``TrainerRankLostError`` naming rank 1 and the worker applies nothing new;
+    a new rank 1 joins (its ``connect()`` writes the next version, as a rank that joins late
+    does) and version 1 (the failed one's number, in a new round) reaches the worker whole."""
+    scheme = _scheme(1, delta=True)
+    _start(procs, scheme, [0], kill_rank_1_at=1)
     assert _both(procs, "connect") == [("ok", 0), ("ok", 0)]
     assert _applied(procs, 0, 0) == [0]
     procs.tell(("rank", 1), "send", 1)
-    procs.kill(("rank", 1))
-    procs.tell(("rank", 0), "send", 1, 5.0)
+    procs.tell(("rank", 0), "send", 1)
     word = procs.next(("rank", 0), WORD_S)
     assert word[:3] == ("error", "TrainerRankLostError", 1), word
+    assert "while the hosts fetched version 1" in str(word[4]), word
     procs.start(("rank", 1), ends.trainer_rank, scheme, 1, TIMEOUT, 1)
     procs.tell(("rank", 0), "send", 1)
     procs.tell(("rank", 1), "connect")

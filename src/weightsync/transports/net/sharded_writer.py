@@ -65,6 +65,7 @@ class NetRankZeroWriter:
         self.committed = NO_VERSION
         self._notice: dict[str, Any] = {}  # what the current version's notices carry
         self._wire_layout: dict[str, Any] = {}  # the layout the workers receive
+        self._requested: list[int] = []  # the workers the current version is for
         self._after_commit: BaseException | None = None  # raised by ``deliver``
 
     def start(self, deadline: Deadline) -> None:
@@ -82,6 +83,7 @@ class NetRankZeroWriter:
         could not stage it are returned (the version stands)."""
         assert self.lead is not None
         wire_layout = self._wire_layout = layout.with_dtype(self.dtype).to_dict()
+        self._requested = list(requested)
         lost: Losses = {}
         self._after_commit = None
 
@@ -114,11 +116,14 @@ class NetRankZeroWriter:
         return lost
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
-        """The ranks committed ``version``: the workers may apply it."""
+        """The ranks committed ``version``: the workers may apply it (those that joined
+        during the round too: they heard of it as they joined, not of its commit)."""
         self._notice = self._notice | {"committed": version}
         with self.members.joining:
             self.members.published(version, self._wire_layout, self._notice)
+            joined, _ = self.members.reachable(self._requested)
         lost = self.members.notify(targets, version)
+        self.members.notify([w for w in joined if w not in targets], version)
         failure, self._after_commit = self._after_commit, None
         if failure is not None:
             raise failure
