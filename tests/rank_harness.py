@@ -530,6 +530,25 @@ class Net(Transport):
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+class NetSchemeTransport(Transport):
+    """``NetWeightSyncScheme(trainer_ranks=2)`` itself: workers over TCP, each host fetching
+    every rank's part (``transports/net/sharded_writer.py``)."""
+
+    name = "net_scheme"
+
+    def __init__(self, timeout: float) -> None:
+        self.scheme = ws.NetWeightSyncScheme(num_workers=1, trainer_ranks=2, timeout=timeout)
+
+    def rank_scheme(self) -> Any:
+        return self.scheme.for_trainer_ranks()
+
+    def worker_scheme(self) -> Any:
+        return self.scheme.for_workers()
+
+    def receiver(self) -> Any:
+        return self.worker_scheme().create_receiver(0)
+
+
 def hold_rank_0(path: str) -> None:
     """Hold rank 0 inside its send of each version >= 1 (once its plan is posted, before it
     waits for the other ranks) until ``<path>.go`` exists; ``<path>.held`` says it is held."""
@@ -652,7 +671,8 @@ class Worker:
 
 #: the media of the conformance suite by name (Ray's: ``rank_harness_ray.Ray``)
 TRANSPORTS: dict[str, Callable[..., Transport]] = {
-    "shared_mem": SharedMem, "directory": Directory, "net": Net}
+    "shared_mem": SharedMem, "directory": Directory, "net": Net,
+    "net_scheme": NetSchemeTransport}
 
 
 # ================================================================ SharedMem: FSDP2 / tensor-parallel ranks

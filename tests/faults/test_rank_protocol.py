@@ -35,7 +35,7 @@ def ray_cluster():
     yield from local_ray_instance(TESTS_DIR)
 
 
-@pytest.fixture(params=["shared_mem", "directory", "net",
+@pytest.fixture(params=["shared_mem", "directory", "net", "net_scheme",
                         pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
 def transport(request):
     if request.param == "ray":

@@ -11,13 +11,15 @@ import pytest
 import weightsync as ws
 
 
-@pytest.fixture(params=["shared_mem", "directory", "ray"])
+@pytest.fixture(params=["shared_mem", "directory", "ray", "net"])
 def make(request, tmp_path):
     def made(trainer_ranks):
         if request.param == "shared_mem":
             return ws.SharedMemWeightSyncScheme(num_workers=1, trainer_ranks=trainer_ranks)
         if request.param == "directory":
             return ws.VLLMDoubleBufferSyncScheme(tmp_path / "d", trainer_ranks=trainer_ranks)
+        if request.param == "net":
+            return ws.NetWeightSyncScheme(num_workers=1, trainer_ranks=trainer_ranks)
         return ws.RayWeightSyncScheme(num_workers=1, trainer_ranks=trainer_ranks)
     return made
 

@@ -8,6 +8,9 @@ listens on one port for the workers' control connections and their hosts' fetche
 version is packed once, fetched once per host (whole, or as a delta against the version
 that host holds), verified chunk by chunk under the connection's MACs, and staged in the
 host's shared memory, from where each worker on that host copies it at its own call.
+With ``trainer_ranks > 1`` (a sharded trainer), every rank serves its own shards from a
+listener of its own and each host fetches every rank's part at once
+(``transports/net/sharded_writer.py``; docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import secrets
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,12 +26,19 @@ from weightsync.core.checks import checked_int
 from weightsync.core.strategy import WeightStrategy
 from weightsync.schemes.base import WeightSyncScheme
 from weightsync.schemes.local import check_num_workers
-from weightsync.schemes.ranks import checked_trainer_ranks, trainer_rank
+from weightsync.schemes.ranks import (
+    checked_rank_key,
+    checked_trainer_ranks,
+    new_rank_key,
+    trainer_rank,
+)
 from weightsync.schemes.receiver import WeightReceiver
 from weightsync.schemes.sender import WeightSender
 from weightsync.transports.net.reader import NetReader
+from weightsync.transports.net.sharded_writer import NetRankZeroWriter, net_rank_writer
 from weightsync.transports.net.wire import join_address, split_address
 from weightsync.transports.net.writer import NetWriter
+from weightsync.transports.ranks.member import MemberWriter
 
 DEFAULT_ADDRESS = "127.0.0.1:0"
 
@@ -58,7 +69,11 @@ class NetConfig:
     dtype: torch.dtype | None = None
     #: each host gets the difference from the version it holds
     delta: bool = False
+    #: how many processes of a sharded trainer serve each version, each its own shards
     trainer_ranks: int = 1
+    #: what the ranks prove to rank 0 (never the workers' token; not pickled to workers:
+    #: ``schemes/ranks.py``)
+    rank_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
@@ -69,12 +84,7 @@ class NetConfig:
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype or None, got {self.dtype!r}")
         object.__setattr__(self, "delta", bool(self.delta))
-        if checked_trainer_ranks(self.trainer_ranks) > 1:
-            raise ValueError(
-                f"trainer_ranks={self.trainer_ranks}: NetWeightSyncScheme takes one trainer "
-                "process for now; a sharded trainer over the network is served by the vLLM "
-                "trainer engine's network path, or by SharedMem / the directory / Ray "
-                "(docs/sharded.md)")
+        checked_trainer_ranks(self.trainer_ranks)
 
 
 class NetWeightSyncScheme(WeightSyncScheme):
@@ -90,7 +100,12 @@ class NetWeightSyncScheme(WeightSyncScheme):
     chunk as the difference from the version it holds (a host that holds none, or one the
     trainer no longer keeps, gets it whole, and ``stats()`` says why). ``send()`` returns
     once every worker's host holds the version (staged); each worker applies it at its
-    next ``poll()`` or ``receive()``."""
+    next ``poll()`` or ``receive()``.
+
+    ``trainer_ranks``: how many processes of a sharded trainer (FSDP2, tensor parallel)
+    serve each version, each its own shards (``create_sender(rank=r)`` in each, on the
+    trainer's host; see docs/sharded.md); workers are unchanged, and each host fetches
+    every rank's part at once."""
 
     def __init__(
         self, num_workers: int = 1, address: str = DEFAULT_ADDRESS, *,
@@ -98,8 +113,9 @@ class NetWeightSyncScheme(WeightSyncScheme):
         strategy: WeightStrategy | None = None, trainer_ranks: int = 1,
     ) -> None:
         super().__init__(timeout=timeout, strategy=strategy)
-        self.config = NetConfig(num_workers, address, dtype=dtype, delta=delta,
-                                trainer_ranks=trainer_ranks)
+        self.config = NetConfig(
+            num_workers, address, dtype=dtype, delta=delta, trainer_ranks=trainer_ranks,
+            rank_key=new_rank_key() if checked_trainer_ranks(trainer_ranks) > 1 else "")
 
     num_workers = property(lambda self: self.config.num_workers)
     address = property(lambda self: self.config.address)
@@ -111,11 +127,24 @@ class NetWeightSyncScheme(WeightSyncScheme):
         """The trainer's end: listens at ``address`` from its first ``connect()``/``send()``.
         ``stats()["last"]`` adds what crossed the trainer's link for that version
         (``wire_bytes``, headers and MACs included; ``hosts``: one fetch per host;
-        ``delta_chunks``; ``whole``: why a host got it whole)."""
-        trainer_rank(rank, self.trainer_ranks)
+        ``delta_chunks``; ``whole``: why a host got it whole). With ``trainer_ranks > 1``,
+        rank ``rank``'s (default: this process's torch.distributed rank), which registers
+        its own shards; rank 0 listens at ``address``, the others on its host at a free
+        port. Needs the rank key: the scheme as created or pickled, not the copy
+        :meth:`for_workers` makes."""
         c = self.config
-        writer = NetWriter(c.address, c.token, c.num_workers, timeout=self.peer_timeout,
-                           dtype=c.dtype, delta=c.delta)
+        rank = trainer_rank(rank, c.trainer_ranks)
+        options: dict[str, Any] = {"timeout": self.peer_timeout, "dtype": c.dtype,
+                                   "delta": c.delta}
+        writer: NetWriter | NetRankZeroWriter | MemberWriter
+        if c.trainer_ranks == 1:
+            writer = NetWriter(c.address, c.token, c.num_workers, **options)
+        elif rank == 0:
+            writer = NetRankZeroWriter(c.address, c.token, checked_rank_key(c.rank_key, self),
+                                       c.num_workers, c.trainer_ranks, **options)
+        else:
+            writer = net_rank_writer(c.address, c.token, checked_rank_key(c.rank_key, self),
+                                     rank, **options)
         return WeightSender(self, writer, c.num_workers)
 
     def create_receiver(self, worker_idx: int = 0) -> WeightReceiver:
@@ -129,4 +158,4 @@ class NetWeightSyncScheme(WeightSyncScheme):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_workers={self.num_workers}, "
                 f"address={self.address!r}, dtype={self.dtype}, delta={self.delta}, "
-                f"timeout={self.timeout})")
+                f"trainer_ranks={self.trainer_ranks}, timeout={self.timeout})")

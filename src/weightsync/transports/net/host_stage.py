@@ -178,12 +178,15 @@ class HostStage:
         finally:
             os.close(fd)  # lets go of the lock
 
-    def stage(self, at_least: int, fetch: Fetch, deadline: Deadline) -> int:
+    def stage(self, at_least: int, fetch: Fetch, deadline: Deadline, round_: str = "") -> int:
         """Make a version ``at_least`` or newer staged here (fetching it unless another
-        worker of this host did); returns the newest staged."""
+        worker of this host did); returns the newest staged. ``round_``: a sharded
+        trainer's delivery, whose ``at_least`` counts only if staged in that round (the
+        number of a failed round comes again with other bytes); ``fetch`` returns it as
+        the version's session."""
         with self._locked(deadline, at_least):
             newest = self.newest()
-            if newest >= at_least:
+            if newest > at_least or (newest == at_least and self._staged_in(newest, round_)):
                 return newest
             base = None
             if newest >= 0:
@@ -212,11 +215,22 @@ class HostStage:
                         os.unlink(self.directory / f"v{old}{suffix}")
             return packed.version
 
-    def apply(self, dest: Mapping[str, torch.Tensor], held: int) -> int | None:
-        """Copy the newest staged version into ``dest`` (cast to each tensor's dtype) if
-        newer than ``held``; returns it, or None."""
+    def _staged_in(self, version: int, round_: str) -> bool:
+        """Version ``version`` (staged) was staged in ``round_`` (any, if empty)."""
+        if not round_:
+            return True
+        try:
+            return self._open(version)[1] == round_
+        except (FileNotFoundError, UnsafeDirectoryError):
+            return False
+
+    def apply(self, dest: Mapping[str, torch.Tensor], held: int,
+              at_most: int | None = None) -> int | None:
+        """Copy the newest staged version (no newer than ``at_most``, when given) into
+        ``dest`` (cast to each tensor's dtype) if newer than ``held``; returns it, or None."""
         for _ in range(10):
-            newest = self.newest()
+            found = [v for v in self._versions() if at_most is None or v <= at_most]
+            newest = found[-1] if found else -1
             if newest <= held:
                 return None
             try:

@@ -48,6 +48,12 @@ class NetLink:
         self.session = ""
         self.cond = threading.Condition()
         self.delivered = NO_VERSION  # the newest version the trainer announced
+        #: a sharded trainer's: every rank's address for ``delivered``, the round that
+        #: delivers it (a failed round's number comes again in a new one), and the newest
+        #: version the ranks committed (only those are applied); empty/-1 for one trainer
+        self.ranks: list[str] = []
+        self.round = ""
+        self.committed = NO_VERSION
         self.layout: dict[str, Any] | None = None  # the trainer's, from its first notice
         self.sender_lost: str | None = None
         #: called (from the reader thread) at each notice and when the trainer is gone
@@ -112,7 +118,11 @@ class NetLink:
                     with self.cond:
                         if isinstance(message.get("layout"), dict):
                             self.layout = message["layout"]
+                        if version >= self.delivered:
+                            self._take_ranks(message)
                         self.delivered = max(self.delivered, version)
+                        if type(message.get("committed")) is int:
+                            self.committed = max(self.committed, message["committed"])
                         self.cond.notify_all()
                     self.on_event()
         except (ProtocolError, IntegrityError, OSError) as exc:
@@ -124,6 +134,13 @@ class NetLink:
             self.sender_lost = f"{why} (trainer at {self.address})"
             self.cond.notify_all()
         self.on_event()
+
+    def _take_ranks(self, notice: dict[str, Any]) -> None:
+        """A sharded trainer's notice: where each rank serves its part, and which round."""
+        ranks = notice.get("ranks")
+        if isinstance(ranks, list) and all(isinstance(a, str) for a in ranks):
+            self.ranks = list(ranks)
+        self.round = str(notice.get("round", ""))[:64]
 
     def send(self, message: dict[str, Any]) -> None:
         """Tell the trainer ``message``; a trainer that is gone is noticed by the reader."""

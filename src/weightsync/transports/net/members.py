@@ -6,6 +6,8 @@ a notice per version (the first carries the layout the worker checks against its
 The worker tells what its host staged (``staged``), what it applied (``ack``), a version
 its host could not stage (``failed``), a layout it refuses (``mismatch``) and its goodbye
 (``bye``). A connection that ends without a goodbye is a lost worker, named with why.
+A sharded trainer's notices carry more (every rank's address, the delivery's ``round``:
+a failed round's number is delivered again, and only what was staged for this round counts).
 """
 
 from __future__ import annotations
@@ -75,12 +77,14 @@ class NetMembers:
         self.joining = threading.RLock()
         self._connections: dict[int, _Connection] = {}
         self._staged: dict[int, int] = {}
+        self._staged_round: dict[int, str] = {}  # the round of the version staged last
         self._applied: dict[int, int] = {}
-        self._failed: dict[int, tuple[int, str]] = {}  # worker -> (version, why)
+        self._failed: dict[int, tuple[int, str, str]] = {}  # worker -> (version, why, round)
         self._mismatch: dict[int, dict[str, str]] = {}
         self._why: dict[int, str] = {}
         self._goodbyes: set[int] = set()
-        self._current: tuple[int, dict[str, Any]] | None = None  # (version, layout)
+        #: (version, layout, what else its notice carries)
+        self._current: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ the listener's side
@@ -117,7 +121,7 @@ class NetMembers:
                 old = self._connections.pop(idx, None)
                 self._connections[idx] = connection
                 self._staged[idx] = self._applied[idx] = NO_VERSION
-                for table in (self._failed, self._mismatch, self._why):
+                for table in (self._failed, self._mismatch, self._why, self._staged_round):
                     table.pop(idx, None)
                 self._goodbyes.discard(idx)
                 current = self._current
@@ -140,12 +144,16 @@ class NetMembers:
     def _record(self, idx: int, message: dict[str, Any]) -> bool:
         """Take a worker's message; False once it said goodbye."""
         with self.cond:
+            staged = message.get("staged")
+            if type(staged) is int and staged >= self._staged.get(idx, NO_VERSION):
+                self._staged_round[idx] = str(message.get("round", ""))[:64]
             for name, table in (("staged", self._staged), ("ack", self._applied)):
                 version = message.get(name)
                 if type(version) is int:
                     table[idx] = max(table.get(idx, NO_VERSION), version)
             if type(message.get("failed")) is int:
-                self._failed[idx] = (message["failed"], str(message.get("error"))[:2000])
+                self._failed[idx] = (message["failed"], str(message.get("error"))[:2000],
+                                     str(message.get("round", ""))[:64])
             if isinstance(message.get("mismatch"), str):
                 self._mismatch[idx] = {name: str(message.get(name))[:500]
                                        for name in ("mismatch", "key", "expected", "got")}
@@ -170,10 +178,12 @@ class NetMembers:
             self._why[idx])
 
     # ------------------------------------------------------------------ the sender's side
-    def published(self, version: int, layout: dict[str, Any]) -> None:
-        """``version`` (of ``layout``, as the workers receive it) is the current one."""
+    def published(self, version: int, layout: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> None:
+        """``version`` (of ``layout``, as the workers receive it) is the current one;
+        ``extra``: what else its notice tells (a sharded trainer's ranks and round)."""
         with self.cond:
-            self._current = (version, layout)
+            self._current = (version, layout, dict(extra or {}))
 
     def reachable(self, targets: list[int]) -> tuple[list[int], Losses]:
         with self.cond:
@@ -200,26 +210,28 @@ class NetMembers:
         return lost
 
     @staticmethod
-    def _notify(connection: _Connection, version: int, layout: dict[str, Any]) -> None:
-        message: dict[str, Any] = {"notice": version}
+    def _notify(connection: _Connection, version: int, layout: dict[str, Any],
+                extra: dict[str, Any]) -> None:
+        message: dict[str, Any] = {"notice": version, **extra}
         if not connection.layout_sent:
             message["layout"] = layout
         connection.send(message)
         connection.layout_sent = True
 
     def wait_staged(self, targets: list[int], version: int, deadline: Deadline,
-                    lost: Losses) -> None:
+                    lost: Losses, round_: str = "") -> None:
         """Until every target not in ``lost`` staged ``version`` (or newer) on its host;
-        those lost, or whose host could not stage it, are added to ``lost``."""
+        those lost, or whose host could not stage it, are added to ``lost``. ``round_``:
+        a sharded delivery's, which a host staging that version must have staged."""
         with self.cond:
             while True:
                 slow = []
                 for w in targets:
-                    if w in lost or max(self._staged.get(w, NO_VERSION),
-                                        self._applied.get(w, NO_VERSION)) >= version:
+                    if w in lost or self._has(w, version, round_):
                         continue
                     failed = self._failed.get(w)
-                    if failed is not None and failed[0] >= version:
+                    if failed is not None and (failed[0] > version or (
+                            failed[0] == version and failed[2] == round_)):
                         lost[w] = f"its host could not stage version {failed[0]}: {failed[1]}"
                     elif w not in self._connections:
                         lost[w] = self._why.get(w, "connection lost")
@@ -234,6 +246,12 @@ class NetMembers:
                         f"{deadline} (they are connected but their hosts have not got it)",
                         worker_ids=slow)
                 self.cond.wait(deadline.slice(_TICK))
+
+    def _has(self, w: int, version: int, round_: str) -> bool:
+        """Worker ``w`` applied ``version`` or newer, or its host staged it (in ``round_``)."""
+        staged = self._staged.get(w, NO_VERSION)
+        return self._applied.get(w, NO_VERSION) >= version or staged > version or (
+            staged == version and self._staged_round.get(w, "") == round_)
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         """Until every worker applied ``version`` or newer."""

@@ -4,7 +4,9 @@ A background stager hears of each version over the control connection (:class:`~
 NetLink`) and makes it staged on this host (:class:`~.host_stage.HostStage`: one fetch per
 host, into shared memory), then tells the trainer. A version is applied only at the
 worker's call (``connect``, ``poll``, ``receive``), copied from the staged bytes, so the
-fetch never runs on the worker's own thread and a version is never half applied.
+fetch never runs on the worker's own thread and a version is never half applied. A
+sharded trainer's version is fetched from every rank at once (:func:`~.sharded_fetch.
+fetch_packed`, still one fetch per host) and applied once the ranks committed it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -24,6 +27,7 @@ from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.host_stage import HostStage
 from weightsync.transports.net.link import NetLink
 from weightsync.transports.net.packed import PackedVersion
+from weightsync.transports.net.sharded_fetch import ShardedFetcher, fetch_packed
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,9 @@ class NetReader:
         self.stage: HostStage | None = None
         self._cond = threading.Condition()
         self._staged = NO_VERSION
-        self._failed: tuple[int, str] | None = None
+        self._staged_round = ""  # a sharded trainer's round that staged ``_staged``
+        self._failed: tuple[int, str, str] | None = None  # (version, why, round)
+        self._sharded: ShardedFetcher | None = None  # a sharded trainer's: one base per rank
         self._stop = False
         self._stager: threading.Thread | None = None
         self.link.on_event = self._wake
@@ -76,29 +82,45 @@ class NetReader:
         self._stager.start()
 
     def newer_available(self, version: int) -> bool:
-        return self._staged > version
+        return self._usable() > version
+
+    def _usable(self) -> int:
+        """The newest version this worker may apply: staged on its host and, from a
+        sharded trainer, committed by the ranks (a failed round's is never applied)."""
+        return min(self._staged, self.link.committed) if self.link.ranks else self._staged
 
     def apply_newest(self, dest: dict[str, torch.Tensor], version: int,
                      deadline: Deadline) -> int | None:
         with self._cond:
-            while self._staged <= version < self.link.delivered and not deadline.expired() \
+            while self._usable() <= version < self.link.delivered and not deadline.expired() \
                     and self.link.sender_lost is None and not self._failed_at(self.link.delivered):
                 self._cond.wait(deadline.slice(_WAIT_SLICE))
-        if self._staged <= version or self.stage is None:
+        usable = self._usable()
+        if usable <= version or self.stage is None:
             return None
-        return self.stage.apply(dest, version)
+        return self.stage.apply(dest, version, at_most=usable if self.link.ranks else None)
 
     def _failed_at(self, version: int) -> bool:
-        return self._failed is not None and self._failed[0] >= version
+        """Staging ``version`` (in the link's current round) failed on this host."""
+        failed = self._failed
+        return failed is not None and (failed[0] > version or (
+            failed[0] == version and failed[2] == self.link.round))
+
+    def _to_stage(self) -> bool:
+        """The version announced last (in its round) is not staged here, nor failed."""
+        link = self.link
+        return (link.delivered > self._staged or (
+            link.delivered == self._staged and link.round != self._staged_round)) \
+            and not self._failed_at(link.delivered)
 
     def wait(self, version: int, deadline: Deadline) -> None:
         with self._cond:
-            if self._staged <= version and self.link.sender_lost is None:
+            if self._usable() <= version and self.link.sender_lost is None:
                 self._cond.wait(deadline.slice(_WAIT_SLICE))
         self.check_sender(version)
 
     def check_sender(self, version: int) -> None:
-        if self._staged <= version:  # what was staged before the trainer left is applied first
+        if self._usable() <= version:  # what was staged before the trainer left is applied first
             self.link.check_sender(version)
 
     def ack(self, version: int) -> None:
@@ -119,30 +141,33 @@ class NetReader:
         """Stage each version the trainer announces, one at a time, and say so."""
         while True:
             with self._cond:
-                while not self._stop and self.link.sender_lost is None and (
-                        self.link.delivered <= self._staged
-                        or self._failed_at(self.link.delivered)):
+                while not self._stop and self.link.sender_lost is None and not self._to_stage():
                     self._cond.wait(0.5)
                 if self._stop or self.link.sender_lost is not None:
                     return
-                wanted = self.link.delivered
+                wanted, round_, ranks = self.link.delivered, self.link.round, list(self.link.ranks)
             assert self.stage is not None
+            said = {"round": round_} if round_ else {}
+            fetch = partial(self._fetch_ranks, ranks, wanted, round_) if ranks else self._fetch
             try:
-                staged = self.stage.stage(wanted, self._fetch, Deadline(self.timeout))
+                staged = self.stage.stage(wanted, fetch, Deadline(self.timeout), round_)
             except (WeightSyncError, OSError) as exc:
                 if self._stop:
                     return
                 logger.warning("%s: could not stage version %d: %s", self.name, wanted, exc)
                 with self._cond:
-                    self._failed = (wanted, f"{type(exc).__name__}: {exc}")
+                    self._failed = (wanted, f"{type(exc).__name__}: {exc}", round_)
                     self._cond.notify_all()
-                self.link.send({"failed": wanted, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                self.link.send({"failed": wanted, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                **said})
                 continue
             with self._cond:
+                if staged >= self._staged:
+                    self._staged_round = round_ if staged == wanted else ""
                 self._staged = max(self._staged, staged)
                 self._failed = None
                 self._cond.notify_all()
-            self.link.send({"staged": staged})
+            self.link.send({"staged": staged, **(said if staged == wanted else {})})
 
     def _fetch(self, base: tuple[PackedVersion, str] | None,
                allocate: Callable[[int], torch.Tensor]) -> tuple[PackedVersion, str]:
@@ -152,3 +177,14 @@ class NetReader:
         packed = fetcher.fetch(self.link.address, self.link.credential, None, self.timeout)
         assert fetcher.base_session is not None
         return packed, fetcher.base_session
+
+    def _fetch_ranks(self, ranks: list[str], want: int, round_: str,
+                     base: tuple[PackedVersion, str] | None,
+                     allocate: Callable[[int], torch.Tensor]) -> tuple[PackedVersion, str]:
+        """A sharded trainer's version ``want``, from every rank at once, staged under its
+        round (each rank's delta base is kept by this worker's fetcher, not ``base``)."""
+        if self._sharded is None:
+            self._sharded = ShardedFetcher(self.name)
+        packed = fetch_packed(self._sharded, ranks, self.link.credential, want, self.timeout,
+                              allocate)
+        return packed, round_

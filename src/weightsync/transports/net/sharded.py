@@ -8,7 +8,8 @@ rank 0 listens at, :mod:`.board`). The network's data plane: each rank packs its
 then has every host fetch ``n`` from every rank at once (``deliver``), whole or as deltas
 against the part of ``n - 1`` the host holds. A rank lost while the hosts fetch fails the
 round; a server that did not take it is rank 0's error once it is committed. Hosts prove
-the *host token*, an HMAC of the rank key, which they never receive."""
+the *host token*, an HMAC of the rank key, which they never receive (or, for
+``NetWeightSyncScheme``, the workers' token their scheme carries: ``hosts_token``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from weightsync.core.shards import (
 )
 from weightsync.transports.net.board import TcpRankListener, connect_tcp
 from weightsync.transports.net.packed import PackedVersion, plan
-from weightsync.transports.net.publisher import VersionPublisher
+from weightsync.transports.net.publisher import JoinHandler, VersionPublisher
 from weightsync.transports.ranks.lead import LeadRound, Model, RankLead
 from weightsync.transports.ranks.member import RankMember
 from weightsync.transports.ranks.records import Plan
@@ -48,6 +49,8 @@ MIN_RANK_KEY = 32
 PING_S = 0.5
 #: a rank silent this long while the hosts fetched is named when their fetch fails
 STALLED_S = 3.0
+#: how long a failed delivery waits for the board to notice a rank that died meanwhile
+LOSS_NOTICE_S = 0.5
 
 
 def checked_rank_key(rank_key: str, ranks: int) -> str:
@@ -91,13 +94,16 @@ def pack_pieces(pieces: Sequence[ShardPiece], version: int, dtype: torch.dtype |
 
 class RankPublisher:
     """What every rank of a sharded trainer has: its pieces of each version, served at
-    ``address`` to hosts that prove the host token."""
+    ``address`` to hosts that prove ``hosts_token`` (default: the host token of the rank
+    key). ``on_join``: where workers' control connections go (rank 0 of a scheme)."""
 
     def __init__(self, rank: int, address: str, rank_key: str, dtype: torch.dtype | None,
-                 timeout: float, delta: bool) -> None:
+                 timeout: float, delta: bool, hosts_token: str | None = None,
+                 on_join: JoinHandler | None = None) -> None:
         self.rank, self.dtype = rank, dtype
-        self.publisher = VersionPublisher(address, host_token(rank_key), timeout=timeout,
-                                          delta=delta)
+        self.publisher = VersionPublisher(
+            address, host_token(rank_key) if hosts_token is None else hosts_token,
+            timeout=timeout, delta=delta, on_join=on_join)
         self.pieces: list[ShardPiece] = []
         self.layout: Layout | None = None
 
@@ -126,12 +132,15 @@ Deliver = Callable[[int, list[str]], None]
 class NetRankLead:
     """Rank 0 of ``ranks``: the rank board's hub and the protocol's lead, beside its own
     publisher. ``send`` returns once ``deliver`` (the hosts fetched the version from every
-    rank) returned; a lost rank fails the attempt on every rank."""
+    rank) returned; a lost rank fails the attempt on every rank. ``hosts_token``,
+    ``on_join``: as :class:`RankPublisher`'s."""
 
     def __init__(self, address: str, rank_key: str, ranks: int, *, dtype: torch.dtype | None,
-                 timeout: float, delta: bool, board: str = "") -> None:
+                 timeout: float, delta: bool, board: str = "", hosts_token: str | None = None,
+                 on_join: JoinHandler | None = None) -> None:
         self.ranks = ranks
-        self.own = RankPublisher(0, address, rank_key, dtype, timeout, delta)
+        self.own = RankPublisher(0, address, rank_key, dtype, timeout, delta, hosts_token,
+                                 on_join)
         if board:  # ranks on several hosts: the board over TCP at that HOST:PORT
             self.hub = RankHub(board, rank_key, None, ranks, listener=TcpRankListener(board))
         else:
@@ -196,16 +205,23 @@ class NetRankLead:
     def _blame_lost_rank(self, attempt: Plan, error: Exception) -> None:
         """A delivery that failed while a rank was lost (it died while the hosts fetched its
         part) or had stopped answering (stalled) is that rank's ``TrainerRankLostError``,
-        not only the servers' error."""
-        for rank in range(1, self.ranks):
-            why = self.hub.lost(rank, attempt.incarnations[rank])
-            silent = self.hub.silent_for(rank)
-            if not why and silent > STALLED_S:
-                why = f"stopped answering ({silent:.1f} s without a word: stalled?)"
-            if why:
-                raise TrainerRankLostError(
-                    f"trainer rank {rank} {why} while the hosts fetched version "
-                    f"{attempt.version} ({type(error).__name__}: {error})", rank=rank) from error
+        not only the servers' error. A host may hear of a dead rank before this board does:
+        it is given :data:`LOSS_NOTICE_S` to notice."""
+        notice = Deadline(LOSS_NOTICE_S)
+        while True:
+            for rank in range(1, self.ranks):
+                why = self.hub.lost(rank, attempt.incarnations[rank])
+                silent = self.hub.silent_for(rank)
+                if not why and silent > STALLED_S:
+                    why = f"stopped answering ({silent:.1f} s without a word: stalled?)"
+                if why:
+                    raise TrainerRankLostError(
+                        f"trainer rank {rank} {why} while the hosts fetched version "
+                        f"{attempt.version} ({type(error).__name__}: {error})",
+                        rank=rank) from error
+            if notice.expired():
+                return
+            self.hub.wait(notice.slice(0.05))
 
     def close(self) -> None:
         self.hub.close()
@@ -224,9 +240,10 @@ class NetRankMember:
     version rank 0 plans."""
 
     def __init__(self, address: str, rank_key: str, rank: int, *, dtype: torch.dtype | None,
-                 timeout: float, delta: bool, board: str = "") -> None:
+                 timeout: float, delta: bool, board: str = "",
+                 hosts_token: str | None = None) -> None:
         self.rank = rank
-        self.own = RankPublisher(rank, address, rank_key, dtype, timeout, delta)
+        self.own = RankPublisher(rank, address, rank_key, dtype, timeout, delta, hosts_token)
         if board:  # rank 0's board over TCP (ranks on several hosts)
             self.link = RankLink(board, rank_key, None, rank,
                                  connect=lambda timeout: connect_tcp(board, timeout))

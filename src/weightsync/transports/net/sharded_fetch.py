@@ -13,7 +13,7 @@ import torch
 from weightsync.core.errors import IntegrityError, WeightSyncError
 from weightsync.core.shards import check_parts
 from weightsync.transports.net.fetch import VersionFetcher
-from weightsync.transports.net.packed import PackedVersion
+from weightsync.transports.net.packed import PackedVersion, plan
 
 
 class ShardedFetcher:
@@ -64,6 +64,24 @@ class ShardedFetcher:
             for kind, count in fetcher.last_kinds.items():
                 kinds[kind] = kinds.get(kind, 0) + count
         return kinds
+
+
+def fetch_packed(fetcher: ShardedFetcher, addresses: Sequence[str], credential: str,
+                 want: int, timeout: float, allocate: Callable[[int], torch.Tensor]
+                 ) -> PackedVersion:
+    """Version ``want`` from every rank, put together and packed into ``allocate(nbytes)``
+    (a host stage's file) as one contiguous version, as a single trainer's would be: what
+    reads it never knows the trainer was sharded. Packed before rank 0 hears the parts
+    arrived, so its verdict means "staged"."""
+    out: list[PackedVersion] = []
+
+    def commit(version: int, tensors: dict[str, torch.Tensor]) -> None:
+        packed = plan(tensors, version, None, allocate(plan(tensors, version).nbytes))
+        packed.fill(tensors)
+        out.append(packed)
+
+    fetcher.fetch(addresses, credential, want, timeout, commit=commit)
+    return out[0]
 
 
 def assemble(parts: Sequence[PackedVersion], where: str) -> dict[str, torch.Tensor]:
