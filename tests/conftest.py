@@ -24,9 +24,10 @@ import weightsync as ws
 #: and weightsync once: a spawned worker imports them again, 10-13 s of CPU each on two
 #: cores (TorchRL's peer suite: 370 s spawned, 49 s from the fork server, alone). As with
 #: spawn, they inherit nothing of the test's process and get their arguments pickled.
-#: Set before TorchRL's import, which would set "spawn"; the server starts with the session
-#: (`_fork_server`), so it holds the environment of no single test.
-#: ``WEIGHTSYNC_TEST_START_METHOD=spawn`` starts them as TorchRL does by default.
+#: Set before TorchRL's import, which would set "spawn". The server starts at the first such
+#: process, with the environment of that moment (no test here changes it for longer than
+#: its own processes live). ``WEIGHTSYNC_TEST_START_METHOD=spawn`` starts them as TorchRL
+#: does by default.
 START_METHOD = os.environ.get("WEIGHTSYNC_TEST_START_METHOD", "forkserver")
 FORKSERVER_PRELOAD = ["torch", "tensordict", "torchrl", "torchrl.collectors", "torchrl.envs",
                       "gymnasium", "weightsync"]
@@ -151,16 +152,6 @@ def workers() -> Iterator[Workers]:
     pool.close()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _fork_server() -> None:
-    """Start the fork server (if it is the start method) before any test changes the
-    environment its processes would inherit."""
-    if mp.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-
 @pytest.fixture(autouse=True)
 def _single_thread_torch() -> None:
     torch.set_num_threads(1)
@@ -276,14 +267,16 @@ RAY_LANE: tuple[str, ...] = (
 )
 #: single cases of other modules that join the "ray" lane: (module, a piece of the test id)
 RAY_LANE_CASES: tuple[tuple[str, str], ...] = (
-    ("tests/faults/test_rank_protocol.py", "[ray"),
     ("tests/transports/test_endpoints.py", "[ray"),
     ("tests/integrations/test_torchrl_collectors.py", "test_ray_collector"),
 )
 #: Tests that measure against the clock or against the whole machine (an accept flood under
 #: a low open-file limit, a thousand tear-free reads while ranks write flat out, nothing new
-#: left in /dev/shm): `scripts/run.sh` runs them after the parallel part, alone.
+#: left in /dev/shm; Ray's rank processes, whose board calls on the rendezvous actor gave up
+#: after their 5 s while the other worker started vLLM at the start of a parallel run):
+#: `scripts/run.sh` runs them after the parallel part, alone.
 SERIAL: tuple[tuple[str, str], ...] = (
+    ("tests/faults/test_rank_protocol.py", "[ray"),
     ("tests/transports/test_local_listener.py", "accept_flood"),
     ("tests/transports/test_net_listener.py", "accept_flood"),
     ("tests/schemes/test_local_schemes.py", "leave_nothing_behind"),
