@@ -24,6 +24,7 @@ from weightsync.core.errors import (
     IntegrityError,
     TrainerRankLostError,
     WeightSyncError,
+    WeightSyncTimeoutError,
     WorkerLostError,
 )
 from weightsync.core.layout import Layout
@@ -49,6 +50,11 @@ from weightsync.transports.ray.writer import RayWriter, _Flight
 
 logger = logging.getLogger(__name__)
 
+#: a board call outside a round waits this long; inside one, the round's deadline, but never
+#: less than ``CALL_MIN_S`` (a failure is posted to the ranks after the deadline passed)
+CALL_TIMEOUT_S = 5.0
+CALL_MIN_S = 1.0
+
 
 class RayLeadBoard:
     """The rank board on the rendezvous actor, rank 0's side (a
@@ -64,11 +70,23 @@ class RayLeadBoard:
         self._verified: dict[str, Hello] = {}
         self.broken: dict[int, str] = {}
         self.watch: Callable[[], None] | None = None  # polls the relays while they take
+        self.deadline: Deadline | None = None  # the round under way's (``publish`` sets it)
 
-    def call(self, method: str, *args: Any, timeout: float | None = 5.0) -> Any:
+    def call(self, method: str, *args: Any) -> Any:
+        """One call on the rendezvous actor, answered within the round's deadline (at least
+        ``CALL_MIN_S``, so that a failure is still posted after it): an actor just started
+        on a loaded node may take seconds to answer its first call."""
         members = self.members
-        return members._ray.get(getattr(members.rendezvous, method).remote(*args),
-                                timeout=timeout)
+        left = CALL_TIMEOUT_S if self.deadline is None else self.deadline.remaining()
+        timeout = None if left is None else max(left, CALL_MIN_S)
+        try:
+            return members._ray.get(getattr(members.rendezvous, method).remote(*args),
+                                    timeout=timeout)
+        except members._ray.exceptions.GetTimeoutError:
+            raise WeightSyncTimeoutError(
+                f"trainer rank 0: its rendezvous actor {members.rendezvous_name!r} did not "
+                f"answer {method} within {timeout:.1f} s (its node overloaded, or the actor "
+                "stuck)") from None
 
     def _all_hellos(self) -> dict[int, Hello]:
         out = {}
@@ -150,6 +168,7 @@ class RayLeadWriter(RayWriter):
         every relay's answer; a failure of any of it fails the version on every rank. The
         actors' answers are judged by ``wait_acked``, as for an unsharded trainer."""
         self._flight = None
+        self.board.deadline = deadline
 
         def model() -> Model:
             self.members.take_announcements(deadline)
@@ -169,6 +188,7 @@ class RayLeadWriter(RayWriter):
             raise
         finally:
             self.board.watch = None
+            self.board.deadline = None
         self.committed = version
         return dead
 
