@@ -27,11 +27,8 @@ from weightsync.integrations.vllm.offline_client import OfflineLLMClient
 from weightsync.integrations.vllm.plugin import BACKEND, register
 from weightsync.integrations.vllm.trainer_config import RANK_KEY_ENV, WeightSyncTrainerInitInfo
 from weightsync.integrations.vllm.trainer_engine import WeightSyncTrainerEngine
-from weightsync.integrations.vllm.worker_engine import (
-    WeightSyncInitInfo,
-    WeightSyncUpdateInfo,
-    WeightSyncWeightTransferEngine,
-)
+from weightsync.integrations.vllm.worker_config import WeightSyncInitInfo, WeightSyncUpdateInfo
+from weightsync.integrations.vllm.worker_engine import WeightSyncWeightTransferEngine
 from weightsync.serving.sessions import ENDED_SESSIONS, ONE_TRAINER, checked_session
 
 __all__ = [

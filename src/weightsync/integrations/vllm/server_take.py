@@ -89,7 +89,8 @@ def take(client: Any, url: str, version: int, label: str, session: str, pause: s
          deadline: Deadline, after_load: Callable[[], None]) -> dict[str, float]:
     """Server ``url`` loads the staged ``version`` inside vLLM's pause, labels it
     ``label`` and runs ``after_load`` (empty the prefix cache) before it resumes; a load
-    that fails leaves the label as it was, and the server resumes in every case. Returns
+    that fails leaves the label as it was, and the server resumes in every case (should
+    this process die inside, the server finishes the take itself: ``take_lease``). Returns
     the seconds of each step (``pause``, ``load``, ``label``, ``reset``, ``resume``)."""
     phases: dict[str, float] = {}
     mark = time.perf_counter()
@@ -99,12 +100,12 @@ def take(client: Any, url: str, version: int, label: str, session: str, pause: s
         now = time.perf_counter()
         phases[name], mark = now - mark, now
 
+    client.start_weight_update()  # first: from here the server finishes what we leave
     post(url, "pause", left(deadline), mode=pause)
     lap("pause")
     try:
-        client.start_weight_update()
         try:
-            client.update_weights({"version": version, "session": session,
+            client.update_weights({"version": version, "session": session, "label": label,
                                    "timeout": left(deadline)})
         except BaseException:
             with contextlib.suppress(Exception):

@@ -116,7 +116,8 @@ class Servers:
             self.needs_init.discard(index)  # a failure puts it back (each_server)
             # its one stream of the version (no other follows at the take)
             client.init_weight_transfer_engine(
-                {**init_info(index), "session": self.session, "stage_version": version})
+                {**init_info(index), "session": self.session, "stage_version": version,
+                 "url": url})
         else:
             client.start_weight_update()
             client.update_weights({"version": version, "session": self.session, "stage": True})

@@ -1,6 +1,6 @@
 """The worker side of the ``weightsync`` vLLM weight-transfer backend: the engine vLLM makes
-in each of its workers (``WeightSyncWeightTransferEngine``), and the ``init_info`` and
-``update_info`` it parses. Each update loads one committed version, exactly, from the
+in each of its workers (``WeightSyncWeightTransferEngine``), with the ``init_info`` and
+``update_info`` of ``worker_config``. Each update loads one committed version, exactly, from the
 trainer's directory (one host) or from this host's staging directory (the network path,
 where the host's first rank fetches it), checked against the served model's layout,
 through vLLM's layerwise reload; a LoRA adapter's versions are staged as files instead.
@@ -11,32 +11,25 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
 
-from weightsync.core.checks import checked_int
 from weightsync.core.checksum import accelerated as checksum_accelerated
-from weightsync.core.deadline import checked_timeout, required_timeout
 from weightsync.core.errors import WeightSyncError
-from weightsync.integrations.vllm.extension import apply_exact, engine_directory
+from weightsync.integrations.vllm.extension import apply_exact
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
+from weightsync.integrations.vllm.take_lease import TakeLease
+from weightsync.integrations.vllm.worker_config import WeightSyncInitInfo, WeightSyncUpdateInfo
 from weightsync.schemes.double_buffer import (
     VLLMDoubleBufferSyncScheme,
     VLLMDoubleBufferWeightReceiver,
 )
-from weightsync.schemes.lora import check_adapter_name
-from weightsync.schemes.ranks import MAX_TRAINER_RANKS
 from weightsync.serving.adapter_files import AdapterFiles
 from weightsync.serving.host_receiver import (
     HostReceiver,
@@ -45,97 +38,9 @@ from weightsync.serving.host_receiver import (
     staging_directory,
     wait_staged,
 )
-from weightsync.serving.sessions import ServerSessions, checked_session
-from weightsync.transports.net.wire import split_address
+from weightsync.serving.sessions import ServerSessions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WeightSyncInitInfo(WeightTransferInitInfo):
-    """``init_info`` of ``llm.init_weight_transfer_engine``: the trainer's ``directory`` (one
-    host), or the ``address`` it listens at with the session's ``token`` (the network path:
-    the trainer engine fills both, and a ``ticket`` naming this init)."""
-
-    directory: str = ""
-    timeout: float = 60.0
-    num_workers: int | None = None
-    address: str = ""
-    token: str = ""
-    ticket: str = ""
-    #: a sharded trainer: every rank's HOST:PORT, rank by rank (``address`` is rank 0's)
-    addresses: list[str] = field(default_factory=list)
-    adapter: str = ""  # a LoRA adapter's versions, not full weights (vllm serve --enable-lora)
-    adapter_dir: str = ""  # where this server's host keeps them (the trainer names it)
-    adapter_keep: int = 4
-    #: the trainer engine's session id (one per trainer engine): a server serves one
-    #: session at a time, and an init of another session ends the one before (its updates
-    #: are refused from then on); "" (a direct call) ends it too, and is never refused
-    session: str = ""
-    #: in-flight (the network path): the init only starts staging this version of the
-    #: trainer's in the background and returns; every rank loads it at the update that
-    #: names it (None: the init fetches and loads the trainer's current version itself)
-    stage_version: int | None = None
-
-    def __post_init__(self) -> None:
-        """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
-        self.session = checked_session(self.session, "init_info session")
-        if self.stage_version is not None:
-            self.stage_version = checked_int(self.stage_version, "init_info stage_version")
-            if not self.address or self.adapter:
-                raise ValueError("init_info 'stage_version' is for full weights on the "
-                                 "network path ('address', no 'adapter')")
-        if self.adapter:
-            check_adapter_name(self.adapter)
-            if not os.path.isabs(self.adapter_dir):
-                raise ValueError("init_info with 'adapter' needs 'adapter_dir', an absolute "
-                                 "path on the server's host (the trainer engine sends it)")
-            self.adapter_keep = checked_int(self.adapter_keep, "init_info adapter_keep", 1)
-        if bool(self.directory) == bool(self.address):
-            raise ValueError("init_info needs exactly one of 'directory' (a directory both "
-                             "sides see) and 'address' (the trainer's HOST:PORT)")
-        if self.directory:
-            self.directory = engine_directory(self.directory)
-        else:
-            split_address(self.address)
-            if not isinstance(self.addresses, list) or len(self.addresses) > MAX_TRAINER_RANKS:
-                raise ValueError("init_info 'addresses' must be a list of HOST:PORT, one per "
-                                 "trainer rank")
-            for address in self.addresses:
-                split_address(address)
-            if not self.token or not self.ticket:
-                raise ValueError("init_info with 'address' needs the trainer's 'token' and "
-                                 "'ticket' (the weightsync trainer engine sends them)")
-        self.timeout = required_timeout(self.timeout, "init_info timeout")
-        if self.num_workers is not None:
-            self.num_workers = checked_int(self.num_workers, "init_info num_workers", 1)
-
-
-@dataclass
-class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
-    """``update_info`` of ``llm.update_weights``: the committed version every rank loads
-    (None: the newest committed one, as each rank reads it)."""
-
-    version: int | None = None
-    timeout: float | None = None
-    #: the trainer session it comes from (the weightsync trainer engine sends its own): the
-    #: update is refused unless that session initialised the server last; "" (a direct
-    #: call, the directory path's manual updates) is not checked
-    session: str = ""
-    #: in-flight (the network path): only start staging ``version`` on this host in the
-    #: background and return at once; the update that names it without ``stage`` loads it
-    stage: bool = False
-
-    def __post_init__(self) -> None:
-        """Versions are ints (3.9 or True is refused, never truncated); timeouts finite."""
-        self.session = checked_session(self.session, "update_info session")
-        if self.version is not None:
-            self.version = checked_int(self.version, "update_info version")
-        if not isinstance(self.stage, bool):
-            raise ValueError(f"update_info stage must be true or false, got {self.stage!r}")
-        if self.stage and self.version is None:
-            raise ValueError("update_info with 'stage' needs the 'version' to stage")
-        self.timeout = checked_timeout(self.timeout, "update_info timeout")
 
 
 def _worker_index() -> int:
@@ -186,6 +91,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.host_label = host_name(engine_id)
         #: the trainer session that initialised it last, and those that ended here
         self.sessions = ServerSessions(f"vLLM worker {self.worker_idx} on {self.host_label}")
+        self.lease: TakeLease | None = None  # in-flight takes on this server (worker 0)
 
     def _reload(self, pairs: Pairs) -> None:
         initialize_layerwise_reload(self.model)
@@ -211,6 +117,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                              name="weightsync-warm-checksums").start()
             self._start_staging(init_info, init_info.stage_version, new_session=True)
             self.remote = init_info
+            if init_info.url and idx == 0:
+                self.lease = TakeLease(init_info.url, init_info.timeout,
+                                       name=f"vLLM worker {idx} on {self.host_label}")
             logger.info("worker %d: staging version %d of %s in the background", idx,
                         init_info.stage_version, init_info.address)
             return
@@ -315,6 +224,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
         if self.adapter is None and self.remote is None:
             self._receiver()
+        if self.lease is not None:
+            self.lease.began()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load the named version (no device synchronisation is needed on CPU)."""
@@ -331,7 +242,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             return
         version = update_info.version
         if self.remote is not None:
-            self._receive_remote(version, update_info.timeout, update_info.stage)
+            self._receive_remote(version, update_info.timeout, update_info.stage,
+                                 update_info.label)
             return
         receiver = self._receiver()
         if version is None:
@@ -353,7 +265,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                                       request_key(remote.token, f"version/{version}"),
                                       remote.timeout, new_session=new_session)
 
-    def _receive_remote(self, version: int | None, timeout: float | None, stage: bool) -> None:
+    def _receive_remote(self, version: int | None, timeout: float | None, stage: bool,
+                        label: str) -> None:
         """The network path: this host's receiver fetches the trainer's ``version`` and
         stages it (in the background when it was asked to ``stage`` it before); every rank
         then loads exactly that staged version."""
@@ -364,7 +277,22 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                              "(the weightsync trainer engine sends it)")
         if stage:
             self._start_staging(remote, version)
+            if self.lease is not None:
+                self.lease.loaded(None)
             return
+        if self.lease is None:
+            self._take(remote, version, timeout)
+            return
+        self.lease.loading()
+        loaded = False
+        try:
+            self._take(remote, version, timeout)
+            loaded = True
+        finally:
+            self.lease.loaded(label if loaded and label else None)
+
+    def _take(self, remote: WeightSyncInitInfo, version: int, timeout: float | None) -> None:
+        """Every rank loads ``version``, staged on this host (fetched now if it was not)."""
         timeout = remote.timeout if timeout is None else timeout
         where = f"vLLM worker {self.worker_idx} on {self.host_label}"
         key = request_key(remote.token, f"version/{version}")
@@ -382,6 +310,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
 
     def finish_weight_update(self) -> None:
         """Nothing to finalise: the version was loaded and post-processed whole."""
+        if self.lease is not None:
+            self.lease.finished()
 
     def shutdown(self) -> None:
         """Detach from the directory; the host's staging directory stays for the next init
@@ -391,6 +321,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             self.receiver = None
         self.remote = None
         self.adapter = None  # its staged files stay: vLLM may read them again
+        if self.lease is not None:
+            self.lease.close()
+            self.lease = None
 
     def __del__(self) -> None:
         # At interpreter exit this runs while modules are torn down, their globals already

@@ -1,0 +1,158 @@
+"""``take_lease`` against an HTTP server that records what it is asked (the calls vLLM's
+routes answer; a real ``vllm serve`` with a trainer killed inside its take is
+``test_vllm_serve_remote.py``'s): the lease stays silent while the trainer keeps to its
+deadline, and finishes each kind of take it was left inside, in the trainer's order."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+pytest.importorskip("requests")
+
+from weightsync.integrations.vllm.take_lease import TakeLease  # noqa: E402
+
+TIMEOUT = 0.3
+
+
+class Server:
+    """Answers ``GET /is_paused`` with ``paused`` and records every call, in order."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.calls: list[tuple[str, Any]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                server.calls.append(("GET", self.path))
+                self._answer({"is_paused": server.paused})
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                server.calls.append(("POST", self.path, body) if body else ("POST", self.path))
+                if self.path == "/resume":
+                    server.paused = False
+                self._answer({"success": True})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def posts(self) -> list[tuple[str, Any]]:
+        return [c[1:] for c in self.calls if c[0] == "POST"]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Server, TakeLease]]:
+    server = Server()
+    lease = TakeLease(server.url, TIMEOUT, name="worker 0")
+    yield server, lease
+    lease.close()
+    server.httpd.shutdown()
+
+
+def settle(server: Server, calls: int = 1) -> None:
+    give_up = time.monotonic() + 10
+    while len(server.calls) < calls and time.monotonic() < give_up:
+        time.sleep(0.02)
+    time.sleep(TIMEOUT)  # nothing more comes after
+
+
+def test_a_trainer_that_keeps_its_deadline_is_left_alone(served: tuple[Server, TakeLease]):
+    server, lease = served
+    for label in ("3", "4"):  # two takes, each step well within the deadline
+        lease.began()
+        server.paused = True
+        lease.loading()
+        lease.loaded(label)
+        lease.finished()
+        server.paused = False  # the trainer emptied the cache and resumed
+        time.sleep(TIMEOUT / 3)
+    settle(server)
+    assert server.calls == [("GET", "/is_paused")]  # looked once, then nothing
+
+
+def test_a_new_take_before_the_deadline_puts_the_last_one_off(served: tuple[Server, TakeLease]):
+    server, lease = served
+    server.paused = True
+    for _ in range(6):
+        lease.began()  # each within the deadline of the one before
+        time.sleep(TIMEOUT / 2)
+    lease.loading()  # a load runs under its own deadline, however long
+    time.sleep(TIMEOUT * 2)
+    assert server.calls == []
+
+
+def test_left_after_the_pause_the_server_resumes_on_its_version(
+        served: tuple[Server, TakeLease]):
+    server, lease = served
+    lease.began()
+    server.paused = True
+    settle(server, 2)
+    assert server.posts() == [("/resume",)]  # no label, no reset: nothing was loaded
+    assert not server.paused
+
+
+def test_left_after_the_load_the_server_sets_the_label_owed_then_resumes(
+        served: tuple[Server, TakeLease]):
+    server, lease = served
+    lease.began()
+    server.paused = True
+    lease.loading()
+    lease.loaded("7")
+    settle(server, 4)
+    assert server.posts() == [("/finish_weight_update", {"weight_version": "7"}),
+                              ("/reset_prefix_cache?reset_running_requests=true",),
+                              ("/resume",)]
+
+
+def test_left_after_a_failed_load_the_label_stays(served: tuple[Server, TakeLease]):
+    server, lease = served
+    lease.began()
+    server.paused = True
+    lease.loading()
+    lease.loaded(None)
+    settle(server, 3)
+    assert server.posts() == [("/finish_weight_update", {"weight_version": None}),
+                              ("/resume",)]
+
+
+def test_left_after_the_label_the_server_empties_its_cache_and_resumes(
+        served: tuple[Server, TakeLease]):
+    server, lease = served
+    lease.began()
+    server.paused = True
+    lease.loading()
+    lease.loaded("8")
+    lease.finished()
+    settle(server, 3)
+    assert server.posts() == [("/reset_prefix_cache?reset_running_requests=true",),
+                              ("/resume",)]
+
+
+def test_a_trainer_gone_outside_a_take_changes_nothing(served: tuple[Server, TakeLease]):
+    server, lease = served
+    lease.began()  # a stage: start, update(stage), finish; the server never paused
+    lease.loaded(None)
+    lease.finished()
+    settle(server)
+    assert server.posts() == []
