@@ -30,7 +30,8 @@ def trainer_rank(scheme: Any, rank: int, timeout: float, first: int, out: Any,
                  commands: Any) -> None:
     """Rank ``rank``, registering its rows of version ``first``: ``("connect",)`` or
     ``("send", v[, timeout])`` (its rows of version ``v``) answer ``("ok", version)`` or the
-    error; ``("close",)`` ends it."""
+    error; ``("stats",)`` answers what crossed its link for the last version;
+    ``("close",)`` ends it."""
     try:
         _serve_rank(scheme, rank, timeout, first, out, commands)
     except BaseException as exc:  # reported, never lost
@@ -50,6 +51,9 @@ def _serve_rank(scheme: Any, rank: int, timeout: float, first: int, out: Any,
             try:
                 if command[0] == "connect":
                     out.put(("ok", sender.connect(timeout=timeout)))
+                elif command[0] == "stats":
+                    last = sender.stats()["last"] or {}
+                    out.put(("stats", {k: last.get(k) for k in ("version", "wire_bytes", "hosts")}))
                 else:
                     out.put(("ok", sender.send(rank_flat(rank, command[1]),
                                                timeout=(*command, timeout)[2])))

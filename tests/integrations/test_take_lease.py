@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("requests")
 
-from weightsync.integrations.vllm.take_lease import TakeLease  # noqa: E402
+from weightsync.integrations.vllm.take_lease import TakeLease
 
 TIMEOUT = 0.3
 
@@ -41,11 +41,11 @@ class Server:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 server.calls.append(("GET", self.path))
                 self._answer({"is_paused": server.paused})
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 server.calls.append(("POST", self.path, body) if body else ("POST", self.path))

@@ -70,6 +70,9 @@ def test_two_ranks_serve_two_workers_whole_versions(procs: RankProcesses):
     for idx in range(2):
         seen = _applied(procs, idx, 3)
         assert seen == sorted(set(seen)) and seen[0] == 0, seen
+    for rank, (word, last) in enumerate(_both(procs, "stats")):  # each rank's own link
+        assert word == "stats" and last["version"] == 3 and last["hosts"] == 1, (rank, last)
+        assert last["wire_bytes"] > 0, (rank, last)
 
 
 def test_a_rank_killed_while_the_host_fetches_fails_the_version_and_a_restarted_one_takes_its_number(

@@ -28,6 +28,7 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.net.members import NetMembers
 from weightsync.transports.net.sharded import NetRankLead, NetRankMember
 from weightsync.transports.net.wire import join_address, split_address
+from weightsync.transports.net.writer import link_figures
 from weightsync.transports.ranks.member import MemberWriter
 from weightsync.transports.ranks.records import Hello, Plan
 
@@ -136,6 +137,11 @@ class NetRankZeroWriter:
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         self.members.wait_joined(version, deadline)
 
+    def version_figures(self, version: int) -> dict[str, Any]:
+        """What crossed rank 0's own link for ``version`` (its pieces; each rank says its
+        own, ``writer.link_figures``)."""
+        return link_figures(None if self.lead is None else self.lead.own.publisher, version)
+
     def held_versions(self) -> dict[int, int]:
         return self.members.held_versions()
 
@@ -164,6 +170,10 @@ class NetMemberPlane:
 
     def failed(self, plan: Plan | None) -> None:
         """Nothing to undo: the next attempt publishes its number again."""
+
+    def version_figures(self, version: int) -> dict[str, Any]:
+        """What crossed this rank's own link for ``version`` (its pieces)."""
+        return link_figures(self.member.own.publisher, version)
 
     def close(self, hello: Hello | None) -> None:
         self.member.close()

@@ -25,6 +25,20 @@ from weightsync.transports.net.publisher import VersionPublisher
 _FIGURES_SETTLE_S = 1.0
 
 
+def link_figures(publisher: VersionPublisher | None, version: int) -> dict[str, Any]:
+    """What crossed a listener's link for ``version``: ``wire_bytes`` (every byte of its
+    streams, headers and MACs included), ``hosts`` (fetches: one per host), ``chunks``,
+    ``delta_chunks``, and ``whole`` (why a host got it whole, by host)."""
+    streams = [] if publisher is None else publisher.figures(version, settle=_FIGURES_SETTLE_S)
+    return {
+        "wire_bytes": sum(s.wire_bytes for s in streams),
+        "hosts": len(streams),
+        "chunks": sum(s.chunks for s in streams),
+        "delta_chunks": sum(s.delta_chunks for s in streams),
+        "whole": {s.host: s.whole_reason for s in streams if s.whole_reason is not None},
+    }
+
+
 class NetWriter:
     """The trainer's end: serves each version at ``address`` to the hosts of the workers."""
 
@@ -72,18 +86,7 @@ class NetWriter:
         return self.members.held_versions()
 
     def version_figures(self, version: int) -> dict[str, Any]:
-        """What crossed the trainer's link for ``version``: ``wire_bytes`` (every byte of
-        its streams, headers and MACs included), ``hosts`` (fetches: one per host),
-        ``chunks``, ``delta_chunks``, and ``whole`` (why a host got it whole, by host)."""
-        streams = [] if self.publisher is None else self.publisher.figures(
-            version, settle=_FIGURES_SETTLE_S)
-        return {
-            "wire_bytes": sum(s.wire_bytes for s in streams),
-            "hosts": len(streams),
-            "chunks": sum(s.chunks for s in streams),
-            "delta_chunks": sum(s.delta_chunks for s in streams),
-            "whole": {s.host: s.whole_reason for s in streams if s.whole_reason is not None},
-        }
+        return link_figures(self.publisher, version)
 
     def close(self) -> None:
         self.members.close()

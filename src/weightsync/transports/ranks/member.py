@@ -150,6 +150,9 @@ class MemberPlane(Protocol):
     def close(self, hello: Hello | None) -> None:
         """Let the medium go (and withdraw ``hello``, where the board keeps it)."""
 
+    # optional: ``version_figures(version) -> dict``, what crossed this rank's medium for
+    # that version (its sender's ``stats()["last"]`` adds it)
+
 
 class MemberWriter:
     """Trainer rank ``rank`` (1..N-1) as its sender's writer, on any medium: each send is
@@ -193,6 +196,11 @@ class MemberWriter:
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         """Rank 0's ``connect()`` waits for the workers; this rank's ends at the commit."""
+
+    def version_figures(self, version: int) -> dict[str, Any]:
+        """What crossed this rank's medium for ``version``, where its plane counts it."""
+        figures = getattr(self.plane, "version_figures", None)
+        return figures(version) if callable(figures) else {}
 
     def held_versions(self) -> dict[int, int]:
         return {}
