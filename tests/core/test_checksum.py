@@ -358,3 +358,26 @@ def test_sums_of_many_whole_blocks_give_the_torch_numbers(position):
                           (1, 4 * 17 * ck.BLOCK_LANES + 5)):
         piece = data[address:address + size]
         assert ck.share(piece, position, parallel=False) == ck.torch_share(piece, position), address
+
+
+def test_the_kernels_load_on_a_thread_ahead_of_the_first_sum():
+    """A receiver starts loading them when it learns its layout (a fresh process: the
+    kernels are not loaded yet); the caller goes on at once."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba")
+    code = (
+        "import threading, time\n"
+        "from weightsync.core import checksum as ck\n"
+        "ck.warm_up_in_background()\n"
+        "names = [t.name for t in threading.enumerate()]\n"
+        "give_up = time.monotonic() + 60\n"
+        "while ck._kernels.cache_info().currsize == 0 and time.monotonic() < give_up:\n"
+        "    time.sleep(0.01)\n"
+        "print('weightsync-warm-checksums' in names, ck.accelerated())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout

@@ -134,6 +134,13 @@ def accelerated() -> bool:
     return _kernels() is not None
 
 
+def warm_up_in_background() -> None:
+    """Load the kernels (compiled once per machine, loaded once per process: 0.5-2 s) on a
+    thread now, so that a receiver's first verified version does not wait for them."""
+    if _kernels.cache_info().currsize == 0:
+        threading.Thread(target=_kernels, daemon=True, name="weightsync-warm-checksums").start()
+
+
 def _bytes_of(buffer: torch.Tensor) -> torch.Tensor:
     """The bytes of ``buffer`` as a flat uint8 tensor (outside autograd)."""
     flat = buffer.detach().reshape(-1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from weightsync.core.checksum import accelerated as checksum_accelerated
+from weightsync.core.checksum import warm_up_in_background
 from weightsync.core.errors import WeightSyncError
 from weightsync.integrations.vllm.extension import apply_exact
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
@@ -112,9 +111,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             return
         idx = self.worker_idx
         if init_info.stage_version is not None:
-            # the checksum kernels compile once per process (~0.5-1 s): here, not in a take
-            threading.Thread(target=checksum_accelerated, daemon=True,
-                             name="weightsync-warm-checksums").start()
+            warm_up_in_background()  # the checksum kernels: here, not in a take
             self._start_staging(init_info, init_info.stage_version, new_session=True)
             self.remote = init_info
             if init_info.url and idx == 0:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.checksum import warm_up_in_background
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncError
 from weightsync.core.layout import Layout
@@ -130,6 +131,7 @@ class RayReader:
         elif self._staging is None or self._staging.layout != self.link.layout:
             self._staging = checked_staging(self.link.layout, self.worker_idx)
             self._delta = None  # a new layout: no base
+            warm_up_in_background()  # the checksum kernels: not in the first poll()
 
     def take(self, version: int, keep: bool, messages: list[dict[str, Any]] | None,
              delivery: Mapping[str, Any] | None, held: int) -> dict[str, Any]:
