@@ -102,6 +102,14 @@ def test_a_new_take_before_the_deadline_puts_the_last_one_off(served: tuple[Serv
     assert server.calls == []
 
 
+def paused_and_loaded(server: Server, lease: TakeLease, label: str | None) -> None:
+    """The trainer's take up to the end of its load (``label``: None, the load failed)."""
+    lease.began()
+    server.paused = True
+    lease.loading()
+    lease.loaded(label)
+
+
 def test_left_after_the_pause_the_server_resumes_on_its_version(
         served: tuple[Server, TakeLease]):
     server, lease = served
@@ -115,10 +123,7 @@ def test_left_after_the_pause_the_server_resumes_on_its_version(
 def test_left_after_the_load_the_server_sets_the_label_owed_then_resumes(
         served: tuple[Server, TakeLease]):
     server, lease = served
-    lease.began()
-    server.paused = True
-    lease.loading()
-    lease.loaded("7")
+    paused_and_loaded(server, lease, "7")
     settle(server, 4)
     assert server.posts() == [("/finish_weight_update", {"weight_version": "7"}),
                               ("/reset_prefix_cache?reset_running_requests=true",),
@@ -127,10 +132,7 @@ def test_left_after_the_load_the_server_sets_the_label_owed_then_resumes(
 
 def test_left_after_a_failed_load_the_label_stays(served: tuple[Server, TakeLease]):
     server, lease = served
-    lease.began()
-    server.paused = True
-    lease.loading()
-    lease.loaded(None)
+    paused_and_loaded(server, lease, None)
     settle(server, 3)
     assert server.posts() == [("/finish_weight_update", {"weight_version": None}),
                               ("/resume",)]
@@ -139,10 +141,7 @@ def test_left_after_a_failed_load_the_label_stays(served: tuple[Server, TakeLeas
 def test_left_after_the_label_the_server_empties_its_cache_and_resumes(
         served: tuple[Server, TakeLease]):
     server, lease = served
-    lease.began()
-    server.paused = True
-    lease.loading()
-    lease.loaded("8")
+    paused_and_loaded(server, lease, "8")
     lease.finished()
     settle(server, 3)
     assert server.posts() == [("/reset_prefix_cache?reset_running_requests=true",),
