@@ -127,6 +127,15 @@ def test_the_vllm_backend_checks_its_infos_once():
         WeightSyncInitInfo(directory="/tmp/w", num_workers="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="absolute path"):
         WeightSyncInitInfo(directory="weights")
+    with pytest.raises(ValueError, match="update_info label must be a string"):
+        WeightSyncUpdateInfo(version=1, label=2)  # type: ignore[arg-type]
+    remote = {"address": "127.0.0.1:5000", "token": "t", "ticket": "k"}
+    for url in ("10.0.0.2:8000", "ftp://host"):
+        with pytest.raises(ValueError, match="the server's http"):
+            WeightSyncInitInfo(**remote, stage_version=0, url=url)
+    with pytest.raises(ValueError, match="sent with 'stage_version'"):
+        WeightSyncInitInfo(**remote, url="http://10.0.0.2:8000")  # a lease is for in-flight
+    assert WeightSyncInitInfo(**remote, stage_version=0, url="http://10.0.0.2:8000").url
 
 
 def test_a_trainer_model_moved_to_meta_after_connect_is_named(tmp_path):

@@ -112,4 +112,7 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"update_info stage must be true or false, got {self.stage!r}")
         if self.stage and self.version is None:
             raise ValueError("update_info with 'stage' needs the 'version' to stage")
+        if not isinstance(self.label, str):
+            raise ValueError(f"update_info label must be a string (vLLM's weight_version), "
+                             f"got {self.label!r}")
         self.timeout = checked_timeout(self.timeout, "update_info timeout")
