@@ -87,11 +87,12 @@ def wait_host_staged(publisher: VersionPublisher, index: int, url: str, version:
 
 def take(client: Any, url: str, version: int, label: str, session: str, pause: str,
          deadline: Deadline, after_load: Callable[[], None]) -> dict[str, float]:
-    """Server ``url`` loads the staged ``version`` inside vLLM's pause, labels it
-    ``label`` and runs ``after_load`` (empty the prefix cache) before it resumes; a load
-    that fails leaves the label as it was, and the server resumes in every case (should
-    this process die inside, the server finishes the take itself: ``take_lease``). Returns
-    the seconds of each step (``pause``, ``load``, ``label``, ``reset``, ``resume``)."""
+    """Server ``url`` loads the staged ``version`` inside vLLM's pause, runs ``after_load``
+    (empty the prefix cache) and labels it ``label`` before it resumes (the label last, so
+    that once it is set only ``/resume`` is left); a load that fails leaves the label as it
+    was, and the server resumes in every case (should this process die inside, the server
+    finishes the take itself: ``take_lease``). Returns the seconds of each step
+    (``pause``, ``load``, ``reset``, ``label``, ``resume``)."""
     phases: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -112,10 +113,12 @@ def take(client: Any, url: str, version: int, label: str, session: str, pause: s
                 client.finish_weight_update()  # end the server's update session, unlabelled
             raise
         lap("load")
-        client.finish_weight_update(weight_version=label)
-        lap("label")
-        after_load()
-        lap("reset")
+        try:
+            after_load()
+        finally:  # loaded: labelled, even when the cache could not be emptied
+            lap("reset")
+            client.finish_weight_update(weight_version=label)
+            lap("label")
     finally:
         post(url, "resume", max(left(deadline), 5.0))
         lap("resume")

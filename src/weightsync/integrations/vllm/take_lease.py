@@ -1,8 +1,11 @@
 """The server's side of an in-flight take (``server_take``): a take that its trainer began
 and did not finish within the trainer's own deadline (the trainer died or hung between
-``/pause`` and ``/resume``) is finished by the server, as the trainer would have finished
-it: the label of the version it loaded, its prefix cache emptied, then ``/resume``. Before,
+``/pause`` and its label) is finished by the server, as the trainer would have finished
+it: its prefix cache emptied, the label of the version it loaded, then ``/resume``. Before,
 such a server stayed paused, its requests kept, until the next trainer session's take.
+Once the label is set only the trainer's ``/resume`` is left (one call): the lease lets
+go there, so that it never resumes a server that someone else paused or put to sleep
+since.
 
 The lease lives in the server's first worker (vLLM calls ``start_weight_update``,
 ``update_weights`` and ``finish_weight_update`` on it, in that order, once per update
@@ -26,8 +29,7 @@ class Step(enum.Enum):
     IDLE = "idle"  # no session, or the last one was looked after
     BEGUN = "begun"  # start_weight_update; the trainer pauses the server next
     LOADING = "loading"  # update_weights runs (its own deadline bounds it)
-    LOADED = "loaded"  # update_weights returned; the trainer sets the label next
-    FINISHED = "finished"  # finish_weight_update; the trainer empties the cache and resumes
+    LOADED = "loaded"  # update_weights returned; the trainer empties the cache, labels it
 
 
 class TakeLease:
@@ -59,7 +61,8 @@ class TakeLease:
         self._enter(Step.LOADED, label=label)
 
     def finished(self) -> None:
-        self._enter(Step.FINISHED)
+        """The label is set (or the session ended unlabelled): nothing left to watch."""
+        self._enter(Step.IDLE)
 
     def close(self) -> None:
         with self._cond:
@@ -97,19 +100,20 @@ class TakeLease:
                                self.name, step.value, exc)
 
     def _finish(self, step: Step, label: str | None) -> None:
-        """What the trainer did not do after ``step``, in its order; nothing when the server
-        is not paused and no label is owed (the trainer died outside a take)."""
-        if step is Step.LOADED:
-            self._post("finish_weight_update", json={"weight_version": label})
+        """What the trainer did not do after ``step`` (``BEGUN`` or ``LOADED``), in its
+        order. The update session is always ended (vLLM refuses the next one's start until
+        it is); the rest only when the server is paused or a label is owed (a trainer that
+        died in a stage, which never pauses, leaves nothing else)."""
         paused = self._get("is_paused").get("is_paused") is True
-        if not paused and not (step is Step.LOADED and label is not None):
-            return
-        logger.warning(
-            "%s: its trainer began a take and did not finish it within %.0f s (it died or "
-            "hung after %s): finishing it here (label %s, prefix cache emptied, resumed)",
-            self.name, self.timeout, step.value, label if label is not None else "unchanged")
-        if label is not None:
+        if paused or label is not None:
+            logger.warning(
+                "%s: its trainer began a take and did not finish it within %.0f s (it died "
+                "or hung after %s): finishing it here (label %s, prefix cache emptied, "
+                "resumed)", self.name, self.timeout, step.value,
+                label if label is not None else "unchanged")
+        if label is not None:  # new weights: no request goes on with KV of the old ones
             self._post("reset_prefix_cache", params={"reset_running_requests": "true"})
+        self._post("finish_weight_update", json={"weight_version": label})
         if paused:
             self._post("resume")
 
