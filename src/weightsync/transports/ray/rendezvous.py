@@ -19,9 +19,24 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from weightsync.core.deadline import Deadline
 from weightsync.transports.ray.group import current_node_id
 
 logger = logging.getLogger(__name__)
+
+#: how long a rank's call on the board waits outside a round; inside one, what is left of
+#: the round's deadline, but at least ``BOARD_CALL_MIN_S`` (a failure is still posted after
+#: it): an actor just started on a loaded node may take seconds to answer its first call
+BOARD_CALL_S = 10.0
+BOARD_CALL_MIN_S = 1.0
+
+
+def board_call_timeout(deadline: Deadline | None) -> float | None:
+    """The timeout of one board call made within ``deadline`` (None: outside a round)."""
+    if deadline is None:
+        return BOARD_CALL_S
+    left = deadline.remaining()
+    return None if left is None else max(left, BOARD_CALL_MIN_S)
 
 
 class Rendezvous:

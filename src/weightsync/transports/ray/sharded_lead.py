@@ -45,15 +45,11 @@ from weightsync.transports.ranks.seal import (
 )
 from weightsync.transports.ray import shard_stream
 from weightsync.transports.ray.members import BROADCAST_SHARE, RayMembers, share
+from weightsync.transports.ray.rendezvous import board_call_timeout
 from weightsync.transports.ray.shard_stream import send_pieces
 from weightsync.transports.ray.writer import RayWriter, _Flight
 
 logger = logging.getLogger(__name__)
-
-#: a board call outside a round waits this long; inside one, the round's deadline, but never
-#: less than ``CALL_MIN_S`` (a failure is posted to the ranks after the deadline passed)
-CALL_TIMEOUT_S = 5.0
-CALL_MIN_S = 1.0
 
 
 class RayLeadBoard:
@@ -73,19 +69,17 @@ class RayLeadBoard:
         self.deadline: Deadline | None = None  # the round under way's (``publish`` sets it)
 
     def call(self, method: str, *args: Any) -> Any:
-        """One call on the rendezvous actor, answered within the round's deadline (at least
-        ``CALL_MIN_S``, so that a failure is still posted after it): an actor just started
-        on a loaded node may take seconds to answer its first call."""
+        """One call on the rendezvous actor, within the round's deadline
+        (``rendezvous.board_call_timeout``)."""
         members = self.members
-        left = CALL_TIMEOUT_S if self.deadline is None else self.deadline.remaining()
-        timeout = None if left is None else max(left, CALL_MIN_S)
+        timeout = board_call_timeout(self.deadline)
         try:
             return members._ray.get(getattr(members.rendezvous, method).remote(*args),
                                     timeout=timeout)
         except members._ray.exceptions.GetTimeoutError:
             raise WeightSyncTimeoutError(
                 f"trainer rank 0: its rendezvous actor {members.rendezvous_name!r} did not "
-                f"answer {method} within {timeout:.1f} s (its node overloaded, or the actor "
+                f"answer {method} within {timeout} s (its node overloaded, or the actor "
                 "stuck)") from None
 
     def _all_hellos(self) -> dict[int, Hello]:

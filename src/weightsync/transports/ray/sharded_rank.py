@@ -37,11 +37,10 @@ from weightsync.transports.ranks.seal import (
     RecordSeal,
 )
 from weightsync.transports.ray.group import GroupInfo, WeightGroup
+from weightsync.transports.ray.rendezvous import board_call_timeout
 from weightsync.transports.ray.shard_stream import send_pieces
 
 logger = logging.getLogger(__name__)
-#: how long one call to the board may take before rank 0 is judged gone
-CALL_TIMEOUT_S = 10.0
 
 
 class RayMemberBoard:
@@ -61,11 +60,13 @@ class RayMemberBoard:
         self.actor: Any = None
         self.group: WeightGroup | None = None
         self._tried_generation = 0  # the newest generation this rank tried to join
+        self.deadline: Deadline | None = None  # of the call under way (start, a send)
         self._snapshot: dict[str, Any] = {}
 
     def start(self, deadline: Deadline) -> int:
         """Find rank 0's rendezvous actor (rank 0 may start later); returns the newest
         version committed (a rank that joins late continues from there)."""
+        self.deadline = deadline
         while True:
             try:
                 self.actor = self._ray.get_actor(self.rendezvous_name, namespace=self.namespace)
@@ -81,18 +82,20 @@ class RayMemberBoard:
         return int(self._call("board")["committed"])
 
     def _call(self, method: str, *args: Any) -> Any:
-        """One call to the board; rank 0's rendezvous actor gone is rank 0 lost."""
+        """One call to the board, within the send's deadline (``board_call_timeout``); rank
+        0's rendezvous actor gone, or silent past it, is rank 0 lost."""
         ray = self._ray
+        timeout = board_call_timeout(self.deadline)
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
         except ray.exceptions.RayActorError as exc:
             raise TrainerRankLostError(
                 f"trainer rank {self.rank}: rank 0 is gone (its rendezvous actor "
                 f"{self.rendezvous_name!r} died: {type(exc).__name__})", rank=0) from None
         except ray.exceptions.GetTimeoutError:
             raise TrainerRankLostError(
-                f"trainer rank {self.rank}: rank 0's rendezvous actor did not answer within "
-                f"{CALL_TIMEOUT_S} s", rank=0) from None
+                f"trainer rank {self.rank}: rank 0's rendezvous actor did not answer {method} "
+                f"within {timeout} s", rank=0) from None
 
     # ------------------------------------------------------------------ the board
     def post_hello(self, hello: Hello) -> None:
@@ -184,6 +187,7 @@ class RayMemberBoard:
         carries the error a stream hit, if any."""
         wire = layout.with_dtype(self.dtype).on_device("cpu")
         regions = describe_regions(pieces)
+        self.deadline = deadline  # the board's calls of this send wait within it
 
         def write(plan: Plan) -> dict[str, Any]:
             detail, group, error = plan.detail, self.group, None
