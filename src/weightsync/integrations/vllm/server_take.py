@@ -59,14 +59,28 @@ def left(deadline: Deadline) -> float:
     return max(remaining, 0.001)
 
 
-def post(url: str, route: str, timeout: float, **params: str) -> None:
-    """One call of vLLM's HTTP API on ``url``, raising with what the server said."""
+def post(url: str, route: str, timeout: float, body: dict[str, Any] | None = None,
+         **params: str) -> None:
+    """One call of vLLM's HTTP API on ``url`` (``body``: its JSON), raising with what the
+    server said."""
     import requests
 
-    reply = requests.post(f"{url}/{route}", params=params or None, timeout=timeout)
+    reply = requests.post(f"{url}/{route}", params=params or None, json=body, timeout=timeout)
     if not reply.ok:
         raise WeightSyncError(f"server {url}: /{route} answered {reply.status_code}: "
                               f"{reply.text[:1000]}")
+
+
+def is_paused(url: str, timeout: float) -> bool:
+    """Whether the server at ``url`` is paused now (vLLM's ``GET /is_paused``)."""
+    import requests
+
+    reply = requests.get(f"{url}/is_paused", timeout=timeout)
+    if not reply.ok:
+        raise WeightSyncError(f"server {url}: /is_paused answered {reply.status_code}: "
+                              f"{reply.text[:1000]}")
+    answer = reply.json()
+    return isinstance(answer, dict) and answer.get("is_paused") is True
 
 
 def wait_host_staged(publisher: VersionPublisher, index: int, url: str, version: int, after: int,

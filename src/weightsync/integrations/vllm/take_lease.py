@@ -18,9 +18,14 @@ import enum
 import logging
 import threading
 import time
-from typing import Any
+
+from weightsync.integrations.vllm.server_take import is_paused, post
 
 logger = logging.getLogger(__name__)
+
+
+#: how long each of the lease's calls on its own server may take
+CALL_S = 30.0
 
 
 class Step(enum.Enum):
@@ -50,7 +55,7 @@ class TakeLease:
 
     # ------------------------------------------------------------------ the worker's calls
     def began(self) -> None:
-        self._enter(Step.BEGUN, label=None)
+        self._enter(Step.BEGUN)
 
     def loading(self) -> None:
         self._enter(Step.LOADING)
@@ -58,7 +63,7 @@ class TakeLease:
     def loaded(self, label: str | None) -> None:
         """``label``: what the trainer labels the version this take loaded (None: it loaded
         nothing, a failed load or a stage only)."""
-        self._enter(Step.LOADED, label=label)
+        self._enter(Step.LOADED, label)
 
     def finished(self) -> None:
         """The label is set (or the session ended unlabelled): nothing left to watch."""
@@ -71,11 +76,9 @@ class TakeLease:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def _enter(self, step: Step, **label: str | None) -> None:
+    def _enter(self, step: Step, label: str | None = None) -> None:
         with self._cond:
-            self._step, self._since = step, time.monotonic()
-            if "label" in label:
-                self._label = label["label"]
+            self._step, self._since, self._label = step, time.monotonic(), label
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the watch
@@ -104,7 +107,7 @@ class TakeLease:
         order. The update session is always ended (vLLM refuses the next one's start until
         it is); the rest only when the server is paused or a label is owed (a trainer that
         died in a stage, which never pauses, leaves nothing else)."""
-        paused = self._get("is_paused").get("is_paused") is True
+        paused = is_paused(self.url, CALL_S)
         if paused or label is not None:
             logger.warning(
                 "%s: its trainer began a take and did not finish it within %.0f s (it died "
@@ -112,21 +115,7 @@ class TakeLease:
                 "resumed)", self.name, self.timeout, step.value,
                 label if label is not None else "unchanged")
         if label is not None:  # new weights: no request goes on with KV of the old ones
-            self._post("reset_prefix_cache", params={"reset_running_requests": "true"})
-        self._post("finish_weight_update", json={"weight_version": label})
+            post(self.url, "reset_prefix_cache", CALL_S, reset_running_requests="true")
+        post(self.url, "finish_weight_update", CALL_S, {"weight_version": label})
         if paused:
-            self._post("resume")
-
-    def _post(self, route: str, **kwargs: Any) -> None:
-        import requests
-
-        reply = requests.post(f"{self.url}/{route}", timeout=30, **kwargs)
-        reply.raise_for_status()
-
-    def _get(self, route: str) -> dict[str, Any]:
-        import requests
-
-        reply = requests.get(f"{self.url}/{route}", timeout=30)
-        reply.raise_for_status()
-        answer = reply.json()
-        return answer if isinstance(answer, dict) else {}
+            post(self.url, "resume", CALL_S)
