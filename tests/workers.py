@@ -148,6 +148,18 @@ def drain(out: Any, count: int, timeout: float = 30.0) -> list[tuple]:
     return items
 
 
+def lag_when(sender: Any, expected: dict[int, int], timeout: float = 10.0) -> dict[int, int]:
+    """``sender.worker_lag()`` once it equals ``expected``, or as it stands at ``timeout``: a
+    worker acks after it applied, and the network scheme's ack crosses a socket after the
+    worker's own report to the test, so the trainer may hear it a moment later."""
+    deadline = time.monotonic() + timeout
+    lag = sender.worker_lag()
+    while lag != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+        lag = sender.worker_lag()
+    return lag
+
+
 def close_during_connect(receiver: Any, after: float = 0.3, within: float = 3.0) -> BaseException:
     """Call ``receiver.close()`` from another thread ``after`` seconds into a
     ``connect(timeout=30)``: the connect must raise the closed error ``within`` seconds, and

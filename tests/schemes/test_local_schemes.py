@@ -20,6 +20,7 @@ from workers import (
     echo_worker,
     fill_all,
     hammer_worker,
+    lag_when,
     make_model,
     mismatched_worker,
     scribble_worker,
@@ -59,6 +60,7 @@ def test_connect_and_send_with_every_start_method(scheme_cls, workers, method):
         assert sender.send(timeout=30) == 1
         got = drain(workers.out, 2)
         assert {(m[0], m[2], m[3]) for m in got} == {("version", 1, checksum(model))}
+        assert lag_when(sender, {0: 0, 1: 0}) == {0: 0, 1: 0}
         assert sender.stats()["worker_lag"] == {0: 0, 1: 0}
 
 
@@ -138,6 +140,7 @@ def test_isolation_worker_ids(scheme_cls, workers):
     assert (idx, v, total) == (0, 1, checksum(model))
     time.sleep(0.3)
     assert workers.out.empty(), "worker 1 must not receive a version it was not sent"
+    assert lag_when(sender, {0: 0, 1: 1}) == {0: 0, 1: 1}
     assert sender.stats()["worker_lag"] == {0: 0, 1: 1}
     fill_all(model, 6.0)
     assert sender.send(worker_ids=1, timeout=30) == 2
