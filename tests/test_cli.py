@@ -20,6 +20,12 @@ from weightsync.cli import main
 from weightsync.units import format_duration, format_size, parse_size
 
 COMMAND = [sys.executable, "-m", "weightsync.cli"]
+#: runs argv[1:] with Ctrl-C as a terminal gives its foreground job: SIGINT at its default and
+#: not blocked. A child inherits an ignored or blocked SIGINT across exec, and the test process
+#: may have either from what ran in it before (a CI run once saw the demo train on, unstopped)
+AS_A_FOREGROUND_JOB = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execv(sys.argv[1], sys.argv[1:])")
 
 
 def _run(code: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -178,8 +184,10 @@ def _group_members(pgid: int) -> list[int]:
 @pytest.mark.slow
 def test_ctrl_c_during_the_demo_stops_cleanly_with_a_summary(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    demo = [*COMMAND, "demo", "--workers", "4", "--no-live", "--output-dir", str(tmp_path / "out")]
+    inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
     proc = subprocess.Popen(
-        [*COMMAND, "demo", "--workers", "4", "--no-live", "--output-dir", str(tmp_path / "out")],
+        [sys.executable, "-c", AS_A_FOREGROUND_JOB, *demo],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
         start_new_session=True)  # its own process group, as a terminal's foreground job
     lines = []
@@ -201,7 +209,7 @@ def test_ctrl_c_during_the_demo_stops_cleanly_with_a_summary(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     output = "".join(lines) + out
-    assert proc.returncode == 130, output + err
+    assert proc.returncode == 130, f"{output}{err}(this test's SIGINT handler and mask: {inherited})"
     assert "interrupted: CartPole-v1 over shm" in output, output + err
     assert "Traceback" not in output + err and "KeyboardInterrupt" not in output + err, err
     assert "lost" not in err and "sender closed" not in err, err  # goodbyes are not losses
