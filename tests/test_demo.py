@@ -4,6 +4,7 @@ and what the demo prints and writes is what a user expects to see."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -71,3 +72,29 @@ def test_cli_demo_short_run_exits_zero(tmp_path, monkeypatch, capfd):
 def test_cli_rejects_unknown_transport():
     with pytest.raises(SystemExit):
         main(["demo", "--transport", "carrier-pigeon"])
+
+
+def test_ctrl_c_in_training_is_a_request_then_a_second_one_interrupts():
+    """A first Ctrl-C never raises inside the trainer's step (a queue read cut in half hangs
+    the collectors' stop); a second one does; the handler before is back afterwards."""
+    import os
+    import signal
+
+    from weightsync.demo.collectors import StopRequest
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopRequest()
+    with stop.armed():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs at the next bytecode: no exception here
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup: left ignored
+    try:
+        with StopRequest().armed():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

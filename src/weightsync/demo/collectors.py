@@ -11,6 +11,7 @@ import multiprocessing as mp
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -114,8 +115,6 @@ class Collectors:
 @contextlib.contextmanager
 def sigint_ignored() -> Iterator[None]:
     """Ctrl-C ignored inside (only from the main thread): children started here inherit it."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -124,6 +123,35 @@ def sigint_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class StopRequest:
+    """Ctrl-C during training as a request, not an exception: the trainer stops after the
+    step under way. A KeyboardInterrupt raised inside a queue read can leave a message half
+    read, after which the next read (the collectors' stop drains the queue) waits for bytes
+    that never come. A second Ctrl-C raises KeyboardInterrupt, for a step that never ends."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[StopRequest]:
+        """Ctrl-C is this request inside (only from the main thread, and only where Ctrl-C
+        is not ignored, as under ``nohup``)."""
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def process_collectors(transport: str, workers: int, seed: int) -> Collectors:

@@ -24,6 +24,7 @@ import torch
 from weightsync.demo.collectors import (
     CollectorError,
     Collectors,
+    StopRequest,
     make_policy,
     process_collectors,
     ray_collectors,
@@ -113,6 +114,7 @@ def run_demo(
     t_launch = time.monotonic()
     t_train = t_launch
     display = Display(live, log)
+    stop = StopRequest()
     log(f"starting {workers} collector{'s' if workers > 1 else ''} over {transport}...")
     collectors = _collectors(transport, workers, seed)
     try:
@@ -125,36 +127,42 @@ def run_demo(
                 log(f"collectors ready in {format_duration(t_train - t_launch)}; training "
                     f"(Ctrl-C stops and prints the summary)")
                 display.start()
-                while iteration < max_iterations and time.monotonic() - t_train < max_seconds:
-                    batch: list[dict[str, Any]] = []
-                    while len(batch) < batch_episodes:
-                        episode = collectors.next_episode(EPISODE_TIMEOUT_S)
-                        lag = sender.version - int(episode["version"])
-                        lags.append(lag)
-                        total = float(episode["rewards"].sum())
-                        returns.append(total)
-                        all_returns.append(total)
-                        if lag <= max_lag:
-                            batch.append(episode)
-                    batch_versions.extend(int(e["version"]) for e in batch)
-                    loss = reinforce_loss(policy, batch, gamma)
-                    optimizer.zero_grad()
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-                    optimizer.step()
-                    t0 = time.perf_counter()
-                    version = (sender.update_weights() if transport == "file"
-                               else sender.send(timeout=60))
-                    send_s.append(time.perf_counter() - t0)
-                    iteration += 1
-                    mean_return = statistics.fmean(returns)
-                    history.append({"t": time.monotonic() - t_train, "mean_return": mean_return,
-                                    "send_ms": send_s[-1] * 1e3, "version": version,
-                                    "lag": statistics.fmean(lags[-batch_episodes:])})
-                    display.update(iteration, version, mean_return, history[-1]["lag"],
-                                   send_s[-1], history[-1]["t"])
-                    if len(returns) == returns.maxlen and mean_return >= SOLVED_RETURN:
-                        break
+                with stop.armed():  # Ctrl-C: the step under way ends, then the run
+                    while (iteration < max_iterations and not stop.requested
+                           and time.monotonic() - t_train < max_seconds):
+                        batch: list[dict[str, Any]] = []
+                        while len(batch) < batch_episodes and not stop.requested:
+                            episode = collectors.next_episode(EPISODE_TIMEOUT_S)
+                            lag = sender.version - int(episode["version"])
+                            lags.append(lag)
+                            total = float(episode["rewards"].sum())
+                            returns.append(total)
+                            all_returns.append(total)
+                            if lag <= max_lag:
+                                batch.append(episode)
+                        if stop.requested:
+                            break
+                        batch_versions.extend(int(e["version"]) for e in batch)
+                        loss = reinforce_loss(policy, batch, gamma)
+                        optimizer.zero_grad()
+                        loss.backward()
+                        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                        optimizer.step()
+                        t0 = time.perf_counter()
+                        version = (sender.update_weights() if transport == "file"
+                                   else sender.send(timeout=60))
+                        send_s.append(time.perf_counter() - t0)
+                        iteration += 1
+                        mean_return = statistics.fmean(returns)
+                        history.append({"t": time.monotonic() - t_train,
+                                        "mean_return": mean_return,
+                                        "send_ms": send_s[-1] * 1e3, "version": version,
+                                        "lag": statistics.fmean(lags[-batch_episodes:])})
+                        display.update(iteration, version, mean_return, history[-1]["lag"],
+                                       send_s[-1], history[-1]["t"])
+                        if len(returns) == returns.maxlen and mean_return >= SOLVED_RETURN:
+                            break
+                interrupted = stop.requested
             except KeyboardInterrupt:
                 interrupted = True
             finally:
