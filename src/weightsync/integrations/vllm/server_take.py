@@ -65,22 +65,24 @@ def post(url: str, route: str, timeout: float, body: dict[str, Any] | None = Non
     server said."""
     import requests
 
-    reply = requests.post(f"{url}/{route}", params=params or None, json=body, timeout=timeout)
-    if not reply.ok:
-        raise WeightSyncError(f"server {url}: /{route} answered {reply.status_code}: "
-                              f"{reply.text[:1000]}")
+    _check(requests.post(f"{url}/{route}", params=params or None, json=body, timeout=timeout),
+           url, route)
 
 
 def is_paused(url: str, timeout: float) -> bool:
     """Whether the server at ``url`` is paused now (vLLM's ``GET /is_paused``)."""
     import requests
 
-    reply = requests.get(f"{url}/is_paused", timeout=timeout)
-    if not reply.ok:
-        raise WeightSyncError(f"server {url}: /is_paused answered {reply.status_code}: "
-                              f"{reply.text[:1000]}")
-    answer = reply.json()
+    answer = _check(requests.get(f"{url}/is_paused", timeout=timeout), url, "is_paused").json()
     return isinstance(answer, dict) and answer.get("is_paused") is True
+
+
+def _check(reply: Any, url: str, route: str) -> Any:
+    """``reply``, or WeightSyncError with what the server said."""
+    if not reply.ok:
+        raise WeightSyncError(f"server {url}: /{route} answered {reply.status_code}: "
+                              f"{reply.text[:1000]}")
+    return reply
 
 
 def wait_host_staged(publisher: VersionPublisher, index: int, url: str, version: int, after: int,
