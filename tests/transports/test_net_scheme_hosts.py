@@ -217,9 +217,11 @@ def test_a_stopped_worker_is_named_within_the_deadline_and_catches_up(hosts, out
                 step(model, 1)
                 started = time.monotonic()
                 with pytest.raises(ws.WeightSyncTimeoutError) as late:
-                    sender.send(timeout=3)
+                    # long enough for its host-mate's fetch on a loaded CI machine (3 s
+                    # named both once), short beside the scheme's own 60 s
+                    sender.send(timeout=10)
                 assert late.value.worker_ids == (1,) and "worker(s) [1]" in str(late.value)
-                assert time.monotonic() - started < 6
+                assert time.monotonic() - started < 14
                 wait_reports(out_dir, holds(1, [0]))  # its host-mate got the version
             finally:
                 os.kill(pid, signal.SIGCONT)
