@@ -163,9 +163,10 @@ def _single_thread_torch() -> None:
 #: serve` on a second host (network namespaces), Ray's one-node and sharded suites,
 #: the writer/reader suite's Ray cases, TorchRL's collectors (the network scheme's
 #: collector test among them), RayCollector and AsyncVLLM, `vllm serve` with LoRA, vLLM
-#: tensor parallelism, the transformers end-to-end run, the sharded directory suite, the
-#: rank conformance suite on the directory, Ray and the network path, benches, demos and
-#: examples, and the single cases below. The README's default command
+#: tensor parallelism, the transformers end-to-end run, the sharded directory suite, a pool
+#: of hosts relaying versions, the rank conformance suite on the directory, Ray and the
+#: network path, benches, demos and examples, and the single cases below. The README's
+#: default command
 #: (`bash scripts/run.sh test`) leaves them out so that it ends within 15 minutes in a
 #: fresh clone on two cores. What stays: the same-host contract suite
 #: (`tests/schemes/test_local_schemes.py`) on every scheme in `SCHEMES` above, SharedMem,
@@ -200,6 +201,7 @@ FULL_TIER: tuple[str, ...] = (
     "tests/test_bench.py",
     "tests/test_bench_lora.py",
     "tests/test_bench_delta.py",
+    "tests/transports/test_net_relay.py",  # a pool of hosts (two hosts relay in the default)
 )
 #: single cases of the full tier: (module, a piece of the test id)
 FULL_TIER_CASES: tuple[tuple[str, str], ...] = (

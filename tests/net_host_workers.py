@@ -21,9 +21,12 @@ import torch
 import weightsync as ws
 
 
-def make_model() -> torch.nn.Module:
+def make_model(width: int | None = None) -> torch.nn.Module:
+    """The model of every test of this kind; ``width`` (default: ``WS_NET_WIDTH``, else
+    256) sizes its first layer (2896: about 17 MB in bf16, three chunks)."""
+    width = width or int(os.environ.get("WS_NET_WIDTH", "256"))
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 64))
 
 
 def checksum(model: torch.nn.Module) -> float:
@@ -52,8 +55,35 @@ def run_worker(scheme: object, idx: int, out_dir: str) -> None:
             receiver.close()
 
 
+def forge_relayed_chunks() -> None:
+    """Make this process's relay a liar (``WS_TAMPER_RELAY=1``): each chunk it forwards has
+    its first bytes flipped, under a checksum and a MAC recomputed over the forged bytes,
+    so that only the trainer's digest can tell."""
+    from weightsync.transports.net import publisher
+    from weightsync.transports.net.wire import chunk_checksum
+
+    honest = publisher.VersionPublisher._send_chunk
+
+    class Forged:
+        def __init__(self, version: int, index: int, chunk: torch.Tensor) -> None:
+            self.version, self._chunk = version, chunk
+            self.checksums = {index: chunk_checksum(chunk)}
+
+        def chunk(self, index: int) -> torch.Tensor:
+            return self._chunk
+
+    def forged(conn, seal, packed, index, kind, payload, figures):  # type: ignore[no-untyped-def]
+        bad = packed.chunk(index).clone()
+        bad[:8] ^= 0xFF
+        return honest(conn, seal, Forged(packed.version, index, bad), index, kind, bad, figures)
+
+    publisher.VersionPublisher._send_chunk = staticmethod(forged)  # type: ignore[method-assign]
+
+
 def main() -> None:
     path, out_dir, *indices = sys.argv[1:]
+    if os.environ.get("WS_TAMPER_RELAY") == "1":
+        forge_relayed_chunks()
     with open(path, "rb") as f:
         scheme = pickle.load(f)
     ctx = mp.get_context("fork")

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "same bytes measured in the same run.")
     bench.add_argument("--transports", nargs="+", default=_available_transports(),
                        choices=["shm", "mp", "net", "ray", "file", "sharded", "ray-delta",
-                                "lora", "vllm-serve"],
+                                "lora", "vllm-serve", "net-pool"],
                        help="transports to time (ray only if installed; net: the network "
                        "scheme on loopback, one host's workers sharing its fetch; sharded: an FSDP2 "
                        "trainer of --trainer-ranks ranks into SharedMem, beside the gather "
@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "sync into a vLLM engine, on the LLM demo's small model; vllm-serve: a "
                        "Llama-shaped model of each size sent as bf16 to a real vllm serve on "
                        "a second host, beside a bare TCP transfer and the naive checkpoint "
-                       "copy, at each --link-rates, root only)")
+                       "copy, at each --link-rates, root only; net-pool: the network scheme "
+                       "over --hosts hosts that relay, the trainer's uplink capped at each "
+                       "--link-rates, root only)")
     bench.add_argument("--sizes", nargs="+", type=_size, default=["1MB", "400MB"],
                        metavar="SIZE", help="model sizes: 512KB, 100MB, 2GB, 1GiB, ...")
     bench.add_argument("--workers", nargs="+", type=_positive_int, default=[1, 2, 4],
@@ -243,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lora-ranks", nargs="+", type=_positive_int, default=[8, 16, 32, 64],
                        help="lora only: adapter ranks (on every attention and MLP projection)")
     bench.add_argument("--link-rates", nargs="+", type=_link_rate, default=["1gbit", "10gbit"],
-                       metavar="RATE", help="vllm-serve only: the link caps to measure at")
+                       metavar="RATE", help="vllm-serve and net-pool only: the link caps to "
+                       "measure at (net-pool: the trainer's uplink)")
+    bench.add_argument("--hosts", nargs="+", type=_positive_int, default=[1, 2, 4, 6],
+                       help="net-pool only: numbers of hosts (one worker each)")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="also draw the ratios to this PNG file")
     bench.set_defaults(func=_bench)

@@ -5,30 +5,31 @@ own files; every wait has a timeout."""
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from net_host_workers import make_model
+from net_hosts import (
+    HostWorkers,
+    bf16_checksum,
+    checksums_of,
+    holds,
+    reports,
+    step,
+    wait_reports,
+)
 
 import weightsync as ws
 from weightsync.bench.multihost import ADDRESS_A, TwoHostCluster, two_host_network
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
-
-TESTS = Path(__file__).resolve().parent.parent
-SRC = TESTS.parent / "src"
-Reports = dict[int, list[list]]
 
 
 @pytest.fixture(scope="module")
@@ -47,72 +48,6 @@ def out_dir() -> Iterator[Path]:
     yield path
     (path / "stop").touch()
     shutil.rmtree(path, ignore_errors=True)
-
-
-class HostWorkers:
-    """Worker processes on one host: ``ip netns exec`` + a private mount namespace."""
-
-    def __init__(self, ns: str, scheme: ws.NetWeightSyncScheme, out_dir: Path,
-                 indices: list[int]) -> None:
-        pickled = out_dir / f"scheme-{ns}.pkl"
-        pickled.write_bytes(pickle.dumps(scheme))
-        script = ("mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "
-                  + " ".join([sys.executable, str(TESTS / "net_host_workers.py"), str(pickled),
-                              str(out_dir), *map(str, indices)]))
-        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
-        with open(out_dir / f"{ns}.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
-                 "sh", "-c", script], env=env, start_new_session=True,
-                stdout=subprocess.DEVNULL, stderr=log)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-
-def reports(out_dir: Path) -> Reports:
-    found: Reports = {}
-    for path in out_dir.glob("worker*"):
-        idx = int(path.name.removeprefix("worker"))
-        found[idx] = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return found
-
-
-def wait_reports(out_dir: Path, done: Callable[[Reports], bool], timeout: float = 60) -> Reports:
-    end = time.monotonic() + timeout
-    while True:
-        got = reports(out_dir)
-        if done(got):
-            return got
-        if time.monotonic() > end:
-            logs = {p.name: p.read_text()[-2000:] for p in out_dir.glob("*.log")}
-            raise AssertionError(f"workers did not report in {timeout} s: {got}; logs: {logs}")
-        time.sleep(0.05)
-
-
-def holds(version: int, workers: list[int]) -> Callable[[Reports], bool]:
-    return lambda got: all(any(r[0] == "version" and r[2] == version for r in got.get(w, []))
-                           for w in workers)
-
-
-def checksums_of(got: Reports, version: int) -> dict[int, float]:
-    return {w: r[3] for w, lines in got.items() for r in lines
-            if r[0] == "version" and r[2] == version}
-
-
-def bf16_checksum(model: torch.nn.Module) -> float:
-    return float(sum(t.detach().to(torch.bfloat16).double().sum()
-                     for t in model.state_dict().values()))
-
-
-def step(model: torch.nn.Module, seed: int) -> None:
-    """A small optimizer-like step: most bf16 words stay, some change."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for t in model.parameters():
-            t.add_(torch.randn_like(t) * 1e-3 * (torch.rand_like(t) < 0.2))
 
 
 def test_two_hosts_three_workers_bf16_deltas_and_a_killed_worker(hosts, out_dir):
@@ -134,7 +69,13 @@ def test_two_hosts_three_workers_bf16_deltas_and_a_killed_worker(hosts, out_dir)
                 step(model, seed)
                 version = sender.send(timeout=60)
                 last = sender.stats()["last"]
-                assert last["hosts"] == 2, last  # workers 1 and 2 share host B's fetch
+                # one host fetches from the trainer, the other from it (relayed); workers
+                # 1 and 2 share host B's one fetch
+                assert last["hosts"] == 1, last
+                assert sorted(sorted(h["workers"]) for h in last["fetched_from"].values()) \
+                    == [[0], [1, 2]], last
+                assert sorted(h["from"] == "trainer" for h in last["fetched_from"].values()) \
+                    == [False, True], last
                 assert last["delta_chunks"] >= 1, last  # each host held the version before
                 assert last["wire_bytes"] < 2 * version_bytes, last
                 got = wait_reports(out_dir, holds(version, [0, 1, 2]))

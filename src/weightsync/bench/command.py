@@ -50,7 +50,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                + 2 * ("file" in args.transports)
                                + ("sharded" in args.transports)
                                + 2 * (len(args.workers) + 1) * ("ray-delta" in args.transports)
-                               + 4 * len(args.link_rates) * ("vllm-serve" in args.transports))
+                               + 4 * len(args.link_rates) * ("vllm-serve" in args.transports)
+                               + len(args.hosts) * len(args.link_rates)
+                               * ("net-pool" in args.transports))
     total += (args.repeats + 3) * ("lora" in args.transports)
     progress, stop = _progress(total)
     notes: list[str] = []
@@ -100,6 +102,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                                          args.repeats, progress)
                 rows += serve_rows
                 tables.append(f"vllm serve on another host, {size} fp32 sent as bf16:\n{table}")
+        if "net-pool" in args.transports:
+            from weightsync.bench.net_pool import run_pool_bench
+
+            for size, nbytes in args.sizes:
+                pool_rows, table = run_pool_bench(size, nbytes, args.hosts, args.link_rates,
+                                                  args.repeats, progress)
+                rows += pool_rows
+                tables.append(f"A pool of hosts relaying, {size} fp32 sent as bf16:\n{table}")
     finally:
         stop()
     print(format_table(rows))

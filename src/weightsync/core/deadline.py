@@ -101,3 +101,23 @@ class Deadline:
         short exchange that must not be given up half-way. Cancelled with this one."""
         left = self.remaining()
         return Deadline(None if left is None else max(left, seconds), _cut=self._cut)
+
+    def idle_limited(self, idle: float) -> Deadline:
+        """This deadline, each wait on it lasting at most ``idle`` seconds: a read that hears
+        nothing for that long ends (a stalled peer is given up on long before the deadline,
+        and the caller may ask another). Cancelled with this one."""
+        return _IdleLimited(self, idle)
+
+
+class _IdleLimited(Deadline):
+    """A deadline whose every wait is capped (:meth:`Deadline.idle_limited`)."""
+
+    __slots__ = ("idle",)
+
+    def __init__(self, outer: Deadline, idle: float) -> None:
+        super().__init__(outer.remaining(), _cut=outer._cut)
+        self.idle = idle
+
+    def remaining(self) -> float | None:
+        left = super().remaining()
+        return self.idle if left is None else min(self.idle, left)

@@ -152,7 +152,7 @@ class NetWeightSyncScheme(WeightSyncScheme):
         c = self.config
         worker_idx = checked_int(worker_idx, "worker_idx", 0, c.num_workers - 1)
         reader = NetReader(c.address, c.token, worker_idx, timeout=self.peer_timeout,
-                           cast=c.dtype is not None)
+                           cast=c.dtype is not None, delta=c.delta)
         return WeightReceiver(self, worker_idx, reader)
 
     def __repr__(self) -> str:

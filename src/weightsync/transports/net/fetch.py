@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,7 @@ from weightsync.transports.net.handshake import prove_to_trainer
 from weightsync.transports.net.packed import (
     PackedVersion,
     chunk_count,
+    chunk_digest,
     layout_fingerprint,
     parse_header,
     parse_metadata,
@@ -68,6 +70,19 @@ class _BadDelta(IntegrityError):
     suspect, so the version is asked for again, whole."""
 
 
+@dataclass(frozen=True)
+class Forwarding:
+    """What a fetch from a peer host, or for one, needs: the trainer's digest of each
+    chunk, told over this host's own sealed link (a chunk counts only once it matches,
+    whoever sent it: a relay cannot change what it forwards), and who to hand the version
+    under way as it arrives (this host's relay serves each chunk once it is checked)."""
+
+    digests: list[str] | None = None
+    started: Callable[[PackedVersion], None] | None = None
+    #: from a relay: give up on it once it sends nothing for this long (None: the deadline)
+    idle_s: float | None = None
+
+
 class VersionFetcher:
     """Fetches versions from one trainer session for this host (``name``: how the trainer
     logs it). ``allocate(nbytes)``: where a version is rebuilt (default: fresh memory, or
@@ -87,7 +102,8 @@ class VersionFetcher:
         self._spare: torch.Tensor | None = None  # the buffer of the base before last
 
     def fetch(self, address: str, credential: str, want: int | None, timeout: float | None,
-              commit: Callable[[PackedVersion], None] | None = None) -> PackedVersion:
+              commit: Callable[[PackedVersion], None] | None = None,
+              forwarding: Forwarding | None = None) -> PackedVersion:
         """Version ``want`` (None: the trainer's current one), verified, within one deadline
         of ``timeout`` seconds from this call's start. ``credential``: this host's, as the
         trainer made it (:func:`~.handshake.host_credential`). Raises ``SenderLostError``
@@ -95,25 +111,29 @@ class VersionFetcher:
         chunk fails its MAC or checksum, ``WeightSyncTimeoutError`` once the deadline
         passes, ``WeightSyncError`` if the trainer has no such version; the base is then
         unchanged. A delta that does not rebuild the trainer's chunk (a damaged base) is
-        fetched again whole at once, within the same deadline. ``commit(version)``: run
+        fetched again whole at once, within the same deadline. ``forwarding``: digests to
+        check each chunk against, and who gets the version as it arrives (a relaying
+        host). ``commit(version)``: run
         once the version is verified and before the trainer is told it arrived (e.g. stage
         it), so the trainer's verdict means "staged"; if it raises, the trainer is told
         why and the base is unchanged."""
         deadline = Deadline(timeout)
         try:
             return self._fetch_once(address, credential, want, deadline, offer_base=True,
-                                    commit=commit)
+                                    commit=commit, forwarding=forwarding)
         except _BadDelta as exc:
             self.whole_refetches += 1
             logger.info("host %s: %s; fetching version %s again, whole, at once", self.name,
                         exc, want if want is not None else "(current)")
             return self._fetch_once(address, credential, want, deadline, offer_base=False,
                                     whole=f"a delta against its base did not rebuild the "
-                                          f"trainer's chunk ({exc})", commit=commit)
+                                          f"trainer's chunk ({exc})", commit=commit,
+                                    forwarding=forwarding)
 
     def _fetch_once(self, address: str, credential: str, want: int | None, deadline: Deadline,
                     offer_base: bool, whole: str | None = None,
-                    commit: Callable[[PackedVersion], None] | None = None) -> PackedVersion:
+                    commit: Callable[[PackedVersion], None] | None = None,
+                    forwarding: Forwarding | None = None) -> PackedVersion:
         host, port = split_address(address)
         asked = want if want is not None else "(current)"
         try:
@@ -124,12 +144,14 @@ class VersionFetcher:
             raise SenderLostError(f"host {self.name}: cannot reach the trainer at {address} "
                                   f"({exc}); is it running, and is that address reachable "
                                   f"from here?") from None
+        forwarding = forwarding or Forwarding()
+        reads = deadline if forwarding.idle_s is None else deadline.idle_limited(forwarding.idle_s)
         with sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                seal = prove_to_trainer(sock, credential, self.name, deadline)
-                return self._receive(sock, seal, address, want, deadline, offer_base, whole,
-                                     commit)
+                seal = prove_to_trainer(sock, credential, self.name, reads)
+                return self._receive(sock, seal, address, want, reads, offer_base, whole,
+                                     commit, forwarding)
             except DeadlinePassed as exc:
                 raise self._late(address, asked, deadline, str(exc)) from None
             except (ProtocolError, OSError) as exc:
@@ -147,7 +169,8 @@ class VersionFetcher:
 
     def _receive(self, sock: socket.socket, seal: Seal, address: str, want: int | None,
                  deadline: Deadline, offer_base: bool, whole: str | None,
-                 commit: Callable[[PackedVersion], None] | None) -> PackedVersion:
+                 commit: Callable[[PackedVersion], None] | None,
+                 forwarding: Forwarding) -> PackedVersion:
         base = self.base if offer_base else None
         held = None if base is None else {"session": self.base_session, "version": base.version,
                                           "fingerprint": base.fingerprint}
@@ -181,13 +204,55 @@ class VersionFetcher:
             logger.info("host %s receives version %d whole: %s", self.name, version,
                         self.last_whole_reason)
         out = self._buffer(nbytes, version)
+        count = chunk_count(nbytes)
+        digests = forwarding.digests
+        if digests is not None and len(digests) != count:
+            raise IntegrityError(f"host {self.name}: version {version} from {address} has "
+                                 f"{count} chunks, but the trainer's digests name {len(digests)}")
+        # the version under way, each chunk marked ready once checked (a relay serves it)
+        packed = PackedVersion(version, entries, out, [0] * count, regions=regions,
+                               shapes=shapes, metadata=metadata, _ready=0)
+        if forwarding.started is not None:
+            forwarding.started(packed)
+        try:
+            kinds = self._chunks(sock, seal, address, packed, base if based is not None else None,
+                                 digests, deadline)
+        except BaseException as exc:
+            packed.mark_failed(f"{type(exc).__name__}: {exc}")
+            raise
+        packed.mark_ready(count)
+        if commit is not None:
+            try:
+                commit(packed)
+            except Exception as exc:  # the trainer hears why; the caller gets the error
+                message = (f"host {self.name} could not stage version {version}: "
+                           f"{type(exc).__name__}: {exc}")
+                self._refuse(sock, seal, IntegrityError, message)
+                if isinstance(exc, (ProtocolError, OSError)):  # not the connection's fault
+                    raise WeightSyncError(message) from exc
+                raise
+        if self.base is not None:
+            self._spare = self.base.buffer  # callers are done with a version once they fetch again
+        self.base, self.base_session, self.last_kinds = packed, session, kinds
+        send_frame(sock, {"ok": version}, seal)
+        logger.info("host %s received version %d (%d bytes, chunks %s)", self.name, version,
+                    nbytes, kinds)
+        return packed
+
+    def _chunks(self, sock: socket.socket, seal: Seal, address: str, packed: PackedVersion,
+                base: PackedVersion | None, digests: list[str] | None,
+                deadline: Deadline) -> dict[str, int]:
+        """Rebuild every chunk of ``packed`` from the stream (whole, or a delta against
+        ``base``), each checked (MAC, checksum, the trainer's digest when given) before it
+        is marked ready; returns how many chunks came as each kind."""
+        version, out, nbytes = packed.version, packed.buffer, packed.nbytes
         kinds: dict[str, int] = {}
         position = bytearray(CHUNK_POSITION.size)
         for index in range(chunk_count(nbytes)):
             head = recv_exact(sock, CHUNK_HEADER.size + TAG_BYTES, deadline)
             kind, size, checksum = CHUNK_HEADER.unpack_from(head)
             target = out[index * CHUNK_BYTES:(index + 1) * CHUNK_BYTES]
-            problem = header_problem(kind, size, target.numel(), based is not None)
+            problem = header_problem(kind, size, target.numel(), base is not None)
             if problem is not None:
                 raise IntegrityError(f"host {self.name}: chunk {index} of version {version}: "
                                      f"{problem}; the version is refused before anything is "
@@ -219,25 +284,14 @@ class VersionFetcher:
                 raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
                                    f"{where} differs from the trainer's checksum; the version "
                                    "is refused and this host keeps the one it held")
-        packed = PackedVersion(version, entries, out, regions=regions, shapes=shapes,
-                               metadata=metadata)
-        if commit is not None:
-            try:
-                commit(packed)
-            except Exception as exc:  # the trainer hears why; the caller gets the error
-                message = (f"host {self.name} could not stage version {version}: "
-                           f"{type(exc).__name__}: {exc}")
-                self._refuse(sock, seal, IntegrityError, message)
-                if isinstance(exc, (ProtocolError, OSError)):  # not the connection's fault
-                    raise WeightSyncError(message) from exc
-                raise
-        if self.base is not None:
-            self._spare = self.base.buffer  # callers are done with a version once they fetch again
-        self.base, self.base_session, self.last_kinds = packed, session, kinds
-        send_frame(sock, {"ok": version}, seal)
-        logger.info("host %s received version %d (%d bytes, chunks %s)", self.name, version,
-                    nbytes, kinds)
-        return packed
+            if digests is not None and chunk_digest(target) != digests[index]:
+                raise self._refuse(sock, seal, IntegrityError,
+                                   f"{where} from {address} differs from the trainer's digest "
+                                   "(the peer that forwarded it changed or damaged it); the "
+                                   "version is refused and this host keeps the one it held")
+            packed.checksums[index] = checksum
+            packed.mark_ready(index + 1)
+        return kinds
 
     def _buffer(self, nbytes: int, version: int) -> torch.Tensor:
         """Where version ``version`` is rebuilt: the buffer of the base before last when it

@@ -99,6 +99,19 @@ def sweep(parent: Path, keep: Path | None = None) -> int:
     return removed
 
 
+def host_id() -> str:
+    """Names this host to a trainer: the same for every worker that shares its staging
+    (the machine, and the device and inode of the shared memory it stages in: a container
+    or a namespace with a /dev/shm of its own is a host of its own)."""
+    info = os.stat(_parent())
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    seen = f"{os.uname().nodename}/{boot}/{info.st_dev}/{info.st_ino}"
+    return hashlib.sha256(seen.encode()).hexdigest()[:16]
+
+
 class HostStage:
     """The staged versions of the trainer session ``key`` names, on this host."""
 

@@ -54,10 +54,20 @@ class NetLink:
         self.ranks: list[str] = []
         self.round = ""
         self.committed = NO_VERSION
+        #: where this host fetches ``delivered`` from (:mod:`.relay`): the relays before it,
+        #: nearest first (empty: the trainer), and the trainer's digest of each chunk
+        self.sources: list[str] = []
+        self.digests: list[str] | None = None
+        #: this worker fetches for its host, which hosts after it fetch from (its relay)
+        self.lead = False
+        self.feeds = False
         self.layout: dict[str, Any] | None = None  # the trainer's, from its first notice
         self.sender_lost: str | None = None
         #: called (from the reader thread) at each notice and when the trainer is gone
         self.on_event: Callable[[], None] = lambda: None
+        #: what else the join says, given the address this worker reaches the trainer
+        #: from (its relay's address and its host, so that its first notice routes it)
+        self.join_extra: Callable[[str], dict[str, Any]] = lambda local: {}
         self._sock: socket.socket | None = None
         self._seal: Seal | None = None
         self._send_lock = threading.Lock()
@@ -70,7 +80,8 @@ class NetLink:
         sock = self._connect(deadline)
         try:
             seal = prove_to_trainer(sock, self.credential, self.host, deadline)
-            send_frame(sock, {"join": self.worker_idx}, seal)
+            extra = self.join_extra(str(sock.getsockname()[0]))
+            send_frame(sock, {**extra, "join": self.worker_idx}, seal)
             welcome = recv_frame(sock, seal=seal, deadline=deadline,
                                  what=f"worker {self.worker_idx}: the trainer's welcome")
         except DeadlinePassed:
@@ -120,6 +131,7 @@ class NetLink:
                             self.layout = message["layout"]
                         if version >= self.delivered:
                             self._take_ranks(message)
+                            self._take_route(message)
                         self.delivered = max(self.delivered, version)
                         if type(message.get("committed")) is int:
                             self.committed = max(self.committed, message["committed"])
@@ -141,6 +153,15 @@ class NetLink:
         if isinstance(ranks, list) and all(isinstance(a, str) for a in ranks):
             self.ranks = list(ranks)
         self.round = str(notice.get("round", ""))[:64]
+
+    def _take_route(self, notice: dict[str, Any]) -> None:
+        """Whom this host fetches the version from, and whether hosts fetch from it."""
+        sources, digests = notice.get("sources"), notice.get("digests")
+        self.sources = [a for a in sources if isinstance(a, str)][:8] \
+            if isinstance(sources, list) else []
+        self.digests = digests if isinstance(digests, list) and all(
+            isinstance(d, str) for d in digests) else None
+        self.lead, self.feeds = notice.get("lead") is True, notice.get("feeds") is True
 
     def send(self, message: dict[str, Any]) -> None:
         """Tell the trainer ``message``; a trainer that is gone is noticed by the reader."""

@@ -8,6 +8,8 @@ its host could not stage (``failed``), a layout it refuses (``mismatch``) and it
 (``bye``). A connection that ends without a goodbye is a lost worker, named with why.
 A sharded trainer's notices carry more (every rank's address, the delivery's ``round``:
 a failed round's number is delivered again, and only what was staged for this round counts).
+Each worker also says where its relay listens and which host it is on (``relay``, ``host``):
+with several hosts, each notice says whom that worker's host fetches from (:mod:`.relay`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from weightsync.core.errors import (
     WorkerLostError,
 )
 from weightsync.core.versions import NO_VERSION
+from weightsync.transports.net.relay import UPSTREAM, chain
 from weightsync.transports.net.seal import Seal
-from weightsync.transports.net.wire import ProtocolError, recv_frame, send_frame
+from weightsync.transports.net.wire import ProtocolError, recv_frame, send_frame, split_address
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,10 @@ class NetMembers:
         self._mismatch: dict[int, dict[str, str]] = {}
         self._why: dict[int, str] = {}
         self._goodbyes: set[int] = set()
+        self._relay: dict[int, str] = {}  # worker -> where its relay listens
+        self._host: dict[int, str] = {}  # worker -> the id of its host (its staging's)
+        self._host_order: list[str] = []  # hosts by the first arrival of one of their workers
+        self._came: dict[int, dict[str, str]] = {}  # version -> host -> where it fetched it
         #: (version, layout, what else its notice carries)
         self._current: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._closed = False
@@ -98,7 +105,7 @@ class NetMembers:
             return
         keep_alive(sock)
         connection = _Connection(sock, seal, host)
-        if not self._join(idx, connection):
+        if not self._join(idx, connection, request):
             return
         why = "connection closed; did the process die?"
         try:
@@ -113,7 +120,7 @@ class NetMembers:
         finally:
             self._lost(idx, connection, why)
 
-    def _join(self, idx: int, connection: _Connection) -> bool:
+    def _join(self, idx: int, connection: _Connection, request: dict[str, Any]) -> bool:
         with self.joining:
             with self.cond:
                 if self._closed:
@@ -121,10 +128,13 @@ class NetMembers:
                 old = self._connections.pop(idx, None)
                 self._connections[idx] = connection
                 self._staged[idx] = self._applied[idx] = NO_VERSION
-                for table in (self._failed, self._mismatch, self._why, self._staged_round):
+                for table in (self._failed, self._mismatch, self._why, self._staged_round,
+                              self._relay, self._host):
                     table.pop(idx, None)
                 self._goodbyes.discard(idx)
+                self._record_route(idx, request)
                 current = self._current
+                route = self._join_route(idx) if current is not None else {}
                 self.cond.notify_all()
             if old is not None:
                 logger.warning("worker %d joined again from %s; dropping its older "
@@ -134,7 +144,7 @@ class NetMembers:
             try:
                 connection.send({"welcome": idx, "session": self.session})
                 if current is not None:
-                    self._notify(connection, *current)
+                    self._notify(connection, *current, route)
             except OSError as exc:
                 self._lost(idx, connection, f"failed while joining: {exc}")
                 return False
@@ -151,6 +161,7 @@ class NetMembers:
                 version = message.get(name)
                 if type(version) is int:
                     table[idx] = max(table.get(idx, NO_VERSION), version)
+            self._record_route(idx, message)
             if type(message.get("failed")) is int:
                 self._failed[idx] = (message["failed"], str(message.get("error"))[:2000],
                                      str(message.get("round", ""))[:64])
@@ -162,6 +173,75 @@ class NetMembers:
                 self._goodbyes.add(idx)
                 return False
         return True
+
+    def _record_route(self, idx: int, message: dict[str, Any]) -> None:
+        """A worker's relay and host, and where its host fetched a version it staged."""
+        relay, host = message.get("relay"), message.get("host")
+        if isinstance(relay, str) and isinstance(host, str) and 0 < len(host) <= 64:
+            try:
+                split_address(relay)
+            except ValueError:
+                return
+            self._relay[idx], self._host[idx] = relay, host
+            if host not in self._host_order:
+                self._host_order.append(host)
+        came, staged = message.get("from"), message.get("staged")
+        if isinstance(came, str) and type(staged) is int and idx in self._host:
+            hosts = {address: self._host.get(w, "?") for w, address in self._relay.items()}
+            self._came.setdefault(staged, {})[self._host[idx]] = \
+                came if came == "trainer" else hosts.get(came, came[:100])
+            for old in [v for v in self._came if v < staged - 8]:
+                del self._came[old]
+
+    def host_count(self) -> int:
+        """How many hosts the connected workers are on (as far as they said)."""
+        with self.cond:
+            return len({self._host[w] for w in self._connections if w in self._host})
+
+    def came_from(self, version: int) -> dict[str, dict[str, Any]]:
+        """Per host (its id) that fetched ``version``: its connected ``workers`` and
+        whom it fetched from (``from``: ``"trainer"`` or another host's id)."""
+        with self.cond:
+            return {host: {"workers": sorted(w for w in self._connections
+                                             if self._host.get(w) == host), "from": source}
+                    for host, source in self._came.get(version, {}).items()}
+
+    def routes(self, targets: list[int]) -> dict[int, dict[str, Any]]:
+        """What each target's notice adds when its host is one of several: whom its host
+        fetches from (the hosts before it, nearest first: :func:`~.relay.chain`), whether
+        it is the worker that fetches for its host, and whether hosts fetch from it."""
+        with self.cond:
+            if self._current is None or "digests" not in self._current[2]:
+                return {}  # one host, or a sharded trainer's (each host fetches every rank)
+            live = [w for w in sorted(targets) if w in self._connections and w in self._host]
+            leads: dict[str, int] = {}
+            for w in live:
+                leads.setdefault(self._host[w], w)
+            hosts = [h for h in self._host_order if h in leads]
+            if len(hosts) < 2:
+                return {}
+            sources = chain(hosts, {h: self._relay[w] for h, w in leads.items()})
+            return {w: {"sources": sources[self._host[w]], "lead": leads[self._host[w]] == w,
+                        "feeds": self._host[w] != hosts[-1]} for w in live}
+
+    def _join_route(self, idx: int) -> dict[str, Any]:
+        """A joining worker's route to the current version: the hosts that hold it,
+        nearest before its own first (a restarted host takes it mostly from its peers)."""
+        host = self._host.get(idx)
+        if host is None or self._current is None or "digests" not in self._current[2]:
+            return {}
+        version = self._current[0]
+        leads: dict[str, int] = {}
+        for w in sorted(self._connections):
+            if w in self._host and w in self._relay and self._host[w] != host and max(
+                    self._staged.get(w, NO_VERSION), self._applied.get(w, NO_VERSION)) >= version:
+                leads.setdefault(self._host[w], w)
+        order = self._host_order
+        mine = order.index(host)
+        nearest = sorted(leads, key=lambda h: (order.index(h) > mine,
+                                               abs(order.index(h) - mine)))
+        return {"sources": [self._relay[leads[h]] for h in nearest[:UPSTREAM]],
+                "lead": False, "feeds": False}
 
     def _lost(self, idx: int, connection: _Connection, why: str) -> None:
         with self.cond:
@@ -196,6 +276,7 @@ class NetMembers:
         """Tell ``targets`` of ``version``; returns those whose connection failed."""
         assert self._current is not None and self._current[0] == version
         lost: Losses = {}
+        routes = self.routes(targets)
         for w in targets:
             with self.cond:
                 connection = self._connections.get(w)
@@ -203,7 +284,7 @@ class NetMembers:
                 lost[w] = self._why.get(w, "not connected")
                 continue
             try:
-                self._notify(connection, *self._current)
+                self._notify(connection, *self._current, routes.get(w, {}))
             except OSError as exc:
                 lost[w] = f"its connection failed ({exc})"
                 self._lost(w, connection, lost[w])
@@ -211,8 +292,8 @@ class NetMembers:
 
     @staticmethod
     def _notify(connection: _Connection, version: int, layout: dict[str, Any],
-                extra: dict[str, Any]) -> None:
-        message: dict[str, Any] = {"notice": version, **extra}
+                extra: dict[str, Any], route: dict[str, Any] | None = None) -> None:
+        message: dict[str, Any] = {"notice": version, **extra, **(route or {})}
         if not connection.layout_sent:
             message["layout"] = layout
         connection.send(message)

@@ -70,16 +70,22 @@ class VersionPublisher:
     """Listens at ``address`` (``HOST:PORT``; port 0 picks one) and serves the current
     version to every host that proves its credential of ``token``
     (:func:`~.handshake.host_credential`: the token itself never leaves the trainer).
-    ``on_join``: where workers' control connections go (None: they are refused)."""
+    ``on_join``: where workers' control connections go (None: they are refused). A host
+    that relays versions (:mod:`.relay`) serves them under the trainer's ``session`` (its
+    deltas are against the same bases) and ``awaits`` a version it has not begun to
+    receive for up to that many seconds, rather than refusing it; it keeps no retired
+    buffer for reuse."""
 
     def __init__(self, address: str, token: str, *, timeout: float, delta: bool,
-                 on_join: JoinHandler | None = None) -> None:
+                 on_join: JoinHandler | None = None, session: str | None = None,
+                 awaits: float = 0.0) -> None:
         host, port = split_address(address)
         self.token = token
         self.timeout = timeout
         self.delta = delta
         self._on_join = on_join
-        self.session = secrets.token_hex(8)
+        self.session = session or secrets.token_hex(8)
+        self._awaits = awaits
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=64)
         bound = self._listener.getsockname()[1]
@@ -110,15 +116,15 @@ class VersionPublisher:
                 # the same number again (a sharded attempt that failed before any host took
                 # it): the base before it stays the delta base
                 replaced, self._current = self._current, packed
-                if replaced.buffer is not packed.buffer:
+                if replaced.buffer is not packed.buffer and not self._awaits:
                     self._retired = replaced
                 self._figures[packed.version] = []
                 self._cond.notify_all()
                 return
             retired = self._previous
             self._previous, self._current = self._current, packed
-            if retired is not None and retired.buffer is not packed.buffer:
-                self._retired = retired
+            if retired is not None and retired.buffer is not packed.buffer and not self._awaits:
+                self._retired = retired  # a relay keeps none: its buffers are its host's staging
             self._figures[packed.version] = []
             for old in [v for v in self._figures if v < packed.version - 8]:
                 del self._figures[old]
@@ -270,6 +276,9 @@ class VersionPublisher:
         against (None: whole chunks) and, when ``delta`` is on and it goes whole, why."""
         want, base = request.get("want"), request.get("base")
         with self._cond:  # the versions chosen count as read until the stream ends
+            if type(want) is int and self._awaits:  # a relay: the version may be on its way
+                self._cond.wait_for(lambda: self._closed or (
+                    self._current is not None and self._current.version >= want), self._awaits)
             current, previous = self._current, self._previous
             if current is None or (want is not None and want != current.version):
                 return None, None, None

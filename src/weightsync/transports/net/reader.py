@@ -6,7 +6,9 @@ host, into shared memory), then tells the trainer. A version is applied only at 
 worker's call (``connect``, ``poll``, ``receive``), copied from the staged bytes, so the
 fetch never runs on the worker's own thread and a version is never half applied. A
 sharded trainer's version is fetched from every rank at once (:func:`~.sharded_fetch.
-fetch_packed`, still one fetch per host) and applied once the ranks committed it.
+fetch_packed`, still one fetch per host) and applied once the ranks committed it. With
+several hosts, a host fetches from the hosts before it and serves the hosts after it
+(:mod:`.relay`), each chunk checked against the trainer's digest.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -23,10 +26,11 @@ from weightsync.core.deadline import Deadline
 from weightsync.core.errors import SchemaMismatchError, WeightSyncError
 from weightsync.core.layout import Layout
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.net.fetch import VersionFetcher
-from weightsync.transports.net.host_stage import HostStage
+from weightsync.transports.net.fetch import Forwarding, VersionFetcher
+from weightsync.transports.net.host_stage import HostStage, host_id
 from weightsync.transports.net.link import NetLink
 from weightsync.transports.net.packed import PackedVersion
+from weightsync.transports.net.relay import IDLE_S, LEAD_GRACE_S, HostRelay
 from weightsync.transports.net.sharded_fetch import ShardedFetcher, fetch_packed
 
 logger = logging.getLogger(__name__)
@@ -41,22 +45,34 @@ class NetReader:
     expecting = "version from the trainer"
 
     def __init__(self, address: str, token: str, worker_idx: int, *, timeout: float,
-                 cast: bool) -> None:
+                 cast: bool, delta: bool = False) -> None:
         self.worker_idx = worker_idx
         self._token = token
         self.name = f"worker {worker_idx} on {socket.gethostname()}"
         self.link = NetLink(address, token, worker_idx, self.name)
         self.timeout = timeout
         self.cast = cast  # the trainer casts floating tensors: dtypes may differ here
+        self.delta = delta  # this worker's relay forwards deltas to hosts that hold the base
         self.stage: HostStage | None = None
+        self.relay: HostRelay | None = None
         self._cond = threading.Condition()
         self._staged = NO_VERSION
         self._staged_round = ""  # a sharded trainer's round that staged ``_staged``
         self._failed: tuple[int, str, str] | None = None  # (version, why, round)
         self._sharded: ShardedFetcher | None = None  # a sharded trainer's: one base per rank
         self._stop = False
+        self._came_from: str | None = None  # where this worker fetched the version it staged
         self._stager: threading.Thread | None = None
         self.link.on_event = self._wake
+        self.link.join_extra = self._open_relay
+
+    def _open_relay(self, local_host: str) -> dict[str, str]:
+        """Listen for the hosts after this one (on the address this worker reaches the
+        trainer from); the join says where, and which host this is."""
+        if self.relay is None:
+            self.relay = HostRelay(local_host, self._token, timeout=self.timeout,
+                                   delta=self.delta)
+        return {"relay": self.relay.address, "host": host_id()}
 
     def _wake(self) -> None:
         with self._cond:
@@ -65,6 +81,8 @@ class NetReader:
     # ------------------------------------------------------------------ the lifecycle's calls
     def open(self, local: Layout | None, deadline: Deadline) -> None:
         self.link.open(deadline)
+        if self.relay is not None:
+            self.relay.serve_session(self.link.session)
         sent = Layout.from_dict(self.link.wait_layout(deadline))
         if local is not None:
             try:
@@ -133,6 +151,8 @@ class NetReader:
         self.link.close()
         if self._stager is not None and self._stager is not threading.current_thread():
             self._stager.join(10.0)
+        if self.relay is not None:
+            self.relay.close()
         if self.stage is not None:
             self.stage.close()
 
@@ -145,10 +165,17 @@ class NetReader:
                     self._cond.wait(0.5)
                 if self._stop or self.link.sender_lost is not None:
                     return
-                wanted, round_, ranks = self.link.delivered, self.link.round, list(self.link.ranks)
+                link = self.link
+                wanted, round_, ranks = link.delivered, link.round, list(link.ranks)
+                sources, digests = list(link.sources), link.digests
+                leaves_it = link.feeds and not link.lead  # to the worker whose relay serves
             assert self.stage is not None
             said = {"round": round_} if round_ else {}
-            fetch = partial(self._fetch_ranks, ranks, wanted, round_) if ranks else self._fetch
+            fetch = partial(self._fetch_ranks, ranks, wanted, round_) if ranks \
+                else partial(self._fetch, wanted, sources, digests)
+            if leaves_it:
+                self._await_lead(wanted)
+            self._came_from = None
             try:
                 staged = self.stage.stage(wanted, fetch, Deadline(self.timeout), round_)
             except (WeightSyncError, OSError) as exc:
@@ -167,16 +194,56 @@ class NetReader:
                 self._staged = max(self._staged, staged)
                 self._failed = None
                 self._cond.notify_all()
-            self.link.send({"staged": staged, **(said if staged == wanted else {})})
+            came: dict[str, str] = {} if self._came_from is None else {"from": self._came_from}
+            self.link.send({"staged": staged, **(said if staged == wanted else {}), **came})
 
-    def _fetch(self, base: tuple[PackedVersion, str] | None,
+    def _await_lead(self, wanted: int) -> None:
+        """Leave the fetch of ``wanted`` to this host's lead (hosts after this one fetch it
+        from the lead's relay) for up to ``LEAD_GRACE_S``: a lead that is gone or stalled
+        costs that long, then this worker fetches itself."""
+        assert self.stage is not None
+        end = time.monotonic() + min(LEAD_GRACE_S, self.timeout / 3)
+        while time.monotonic() < end and self.stage.newest() < wanted:
+            with self._cond:
+                if self._stop or self.link.sender_lost is not None \
+                        or self.link.delivered > wanted:
+                    return
+                self._cond.wait(0.02)
+
+    def _fetch(self, wanted: int, sources: list[str], digests: list[str] | None,
+               base: tuple[PackedVersion, str] | None,
                allocate: Callable[[int], torch.Tensor]) -> tuple[PackedVersion, str]:
+        """Version ``wanted`` from the relays before this host, nearest first (each chunk
+        checked against the trainer's ``digests``; a relay that fails, stalls or sends a
+        changed chunk is passed over), else the trainer's current one; this worker's relay
+        serves it on as it arrives."""
+        deadline = Deadline(self.timeout)
+        offer = None if self.relay is None else self.relay.offer
+        if digests is not None:
+            for source in sources:
+                fetcher = self._fetcher(base, allocate)
+                try:
+                    packed = fetcher.fetch(source, self.link.credential, wanted,
+                                           deadline.remaining(), forwarding=Forwarding(
+                                               digests, offer, IDLE_S))
+                except (WeightSyncError, OSError) as exc:
+                    logger.warning("%s: version %d from the relay at %s failed (%s); asking "
+                                   "the next source", self.name, wanted, source, exc)
+                    continue
+                self._came_from = source
+                return packed, str(fetcher.base_session)
+        fetcher = self._fetcher(base, allocate)
+        packed = fetcher.fetch(self.link.address, self.link.credential, None,
+                               deadline.remaining(), forwarding=Forwarding(started=offer))
+        self._came_from = "trainer"
+        return packed, str(fetcher.base_session)
+
+    def _fetcher(self, base: tuple[PackedVersion, str] | None,
+                 allocate: Callable[[int], torch.Tensor]) -> VersionFetcher:
         fetcher = VersionFetcher(self.name, allocate=allocate)
         if base is not None:
             fetcher.base, fetcher.base_session = base
-        packed = fetcher.fetch(self.link.address, self.link.credential, None, self.timeout)
-        assert fetcher.base_session is not None
-        return packed, fetcher.base_session
+        return fetcher
 
     def _fetch_ranks(self, ranks: list[str], want: int, round_: str,
                      base: tuple[PackedVersion, str] | None,

@@ -4,7 +4,9 @@ One listener (:class:`~.publisher.VersionPublisher`) at the scheme's address tak
 workers' control connections (:class:`~.members.NetMembers`) and their hosts' fetches. A
 version is packed once (cast to the wire dtype, checksummed per chunk) and each worker is
 told of it; each host fetches it once, as whole chunks or as a delta against the version
-it holds, and a send is delivered once every worker's host staged it.
+it holds, and a send is delivered once every worker's host staged it. With several hosts,
+the version leaves the trainer about once: hosts forward it along a chain (:mod:`.relay`),
+each chunk checked against the digest the trainer tells each host over its own link.
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ class NetWriter:
         if spare is not None:
             packed.buffer = spare
         packed.fill(weights)
+        # hosts that fetch from other hosts check each chunk against these
+        extra = {"digests": packed.chunk_digests()} if self.members.host_count() > 1 else {}
         with self.members.joining:
             self.publisher.publish(packed)
-            self.members.published(version, layout.with_dtype(self.dtype).to_dict())
+            self.members.published(version, layout.with_dtype(self.dtype).to_dict(), extra)
             return self.members.reachable(requested)[1]
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
@@ -86,7 +90,11 @@ class NetWriter:
         return self.members.held_versions()
 
     def version_figures(self, version: int) -> dict[str, Any]:
-        return link_figures(self.publisher, version)
+        """:func:`link_figures` (what left the trainer), and ``fetched_from``: per host
+        (its id), its ``workers`` and whom it fetched the version ``from`` (``"trainer"``,
+        or the id of the host that relayed it)."""
+        return {**link_figures(self.publisher, version),
+                "fetched_from": self.members.came_from(version)}
 
     def close(self) -> None:
         self.members.close()

@@ -1,0 +1,70 @@
+"""A host that forwards versions to other hosts, so that each version crosses the
+trainer's link about once however many hosts there are.
+
+Each worker runs a relay: a listener (:class:`~.publisher.VersionPublisher`, on the address
+its host reaches the trainer from) that serves the versions this worker fetches for its
+host, each chunk as soon as it arrived and was checked, as whole chunks or as a delta
+against the version the asking host holds. The trainer tells each host whom to fetch from
+(:func:`chain`: the hosts before it, nearest first, then the trainer itself) and, over that
+host's own sealed link, a digest of every chunk (:meth:`~.packed.PackedVersion.
+chunk_digests`): a chunk that a relay changed or damaged is refused, and the host fetches
+from the next source. A relay that dies or stalls costs the hosts after it one idle limit
+(:data:`IDLE_S`), not their deadline."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from weightsync.transports.net.packed import PackedVersion
+from weightsync.transports.net.publisher import VersionPublisher
+from weightsync.transports.net.wire import join_address
+
+logger = logging.getLogger(__name__)
+
+#: how many hosts before it a host may fetch from (nearest first) before the trainer
+UPSTREAM = 3
+#: the longest a host waits for the next byte from a relay before it asks the next source
+IDLE_S = 5.0
+#: how long a host's other workers leave the fetch to its lead (the worker whose relay
+#: hosts after it fetch from) before one of them fetches itself
+LEAD_GRACE_S = 10.0
+
+
+def chain(hosts: Sequence[str], relays: Mapping[str, str]) -> dict[str, list[str]]:
+    """Whom each host fetches from: ``hosts`` in order (the first fetches from the trainer),
+    each from the relays (``relays``: host -> its lead's address) of the ``UPSTREAM``
+    hosts before it, nearest first; the trainer is every host's last source."""
+    routes: dict[str, list[str]] = {}
+    for position, host in enumerate(hosts):
+        before = [relays[h] for h in reversed(hosts[:position]) if h in relays]
+        routes[host] = before[:UPSTREAM]
+    return routes
+
+
+class HostRelay:
+    """Worker-side: serves what this worker fetches for its host to the hosts after it."""
+
+    def __init__(self, bind_host: str, token: str, *, timeout: float, delta: bool) -> None:
+        self.publisher = VersionPublisher(join_address(bind_host, 0), token, timeout=timeout,
+                                          delta=delta, awaits=timeout)
+
+    def serve_session(self, session: str) -> None:
+        """Serve versions as the trainer session ``session``'s (so that a host's delta base
+        from the trainer is one here too); told once the trainer welcomed this worker."""
+        self.publisher.session = session
+
+    @property
+    def address(self) -> str:
+        return self.publisher.address
+
+    def offer(self, packed: PackedVersion) -> None:
+        """``packed`` is on its way here (each chunk served once marked ready)."""
+        self.publisher.publish(packed)
+
+    def forwarded_bytes(self, version: int) -> int:
+        """Every byte this relay sent of ``version`` (its streams that ended)."""
+        return sum(s.wire_bytes for s in self.publisher.figures(version))
+
+    def close(self) -> None:
+        self.publisher.close()
