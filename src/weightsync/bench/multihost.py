@@ -45,11 +45,11 @@ HEAD_ENV = {"RAY_health_check_failure_threshold": "20", "RAY_health_check_period
             "RAY_health_check_timeout_ms": "4000", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _run(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_command(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=check)
 
 
-def _setns(path: str | int) -> None:
+def setns(path: str | int) -> None:
     """Move the calling thread into the network namespace at ``path`` (or an open fd)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_RDONLY) if isinstance(path, str) else path
@@ -72,11 +72,11 @@ def unavailable_reason() -> str | None:
         return "needs the `ray` command next to the Python running the tests"
     probe = f"wsprobe{os.getpid()}"
     try:
-        _run("ip", "netns", "add", probe, timeout=10)
+        run_command("ip", "netns", "add", probe, timeout=10)
     except (subprocess.SubprocessError, OSError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         return f"`ip netns add` failed: {str(detail).strip()}"
-    _run("ip", "netns", "del", probe, timeout=10, check=False)
+    run_command("ip", "netns", "del", probe, timeout=10, check=False)
     return None
 
 
@@ -120,36 +120,36 @@ class TwoHostCluster:
     def network_down(self) -> None:
         """Kill every process in either namespace, delete the veth pair and namespaces."""
         self._kill(self.pids())
-        _run("ip", "-n", self.ns_a, "link", "del", self.veth_a, check=False)
-        _run("ip", "link", "del", self.veth_a, check=False)
+        run_command("ip", "-n", self.ns_a, "link", "del", self.veth_a, check=False)
+        run_command("ip", "link", "del", self.veth_a, check=False)
         for ns in (self.ns_a, self.ns_b):
-            _run("ip", "netns", "del", ns, check=False)
+            run_command("ip", "netns", "del", ns, check=False)
 
     def enter(self, host: str = "a") -> None:
         """Move this process's calling thread (and the threads it starts from now on) onto
         host ``"a"`` or ``"b"``; ``leave`` comes back."""
         if self._home_ns < 0:
             self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        _setns(f"/run/netns/{self.ns_a if host == 'a' else self.ns_b}")
+        setns(f"/run/netns/{self.ns_a if host == 'a' else self.ns_b}")
 
     def leave(self) -> None:
         if self._home_ns >= 0:
-            _setns(self._home_ns)
+            setns(self._home_ns)
             os.close(self._home_ns)
             self._home_ns = -1
 
     def _network_up(self) -> None:
         a, b = self.ns_a, self.ns_b
-        _run("ip", "netns", "add", a)
-        _run("ip", "netns", "add", b)
-        _run("ip", "link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
-        _run("ip", "link", "set", self.veth_a, "netns", a)
-        _run("ip", "link", "set", self.veth_b, "netns", b)
-        _run("ip", "-n", a, "addr", "add", f"{ADDRESS_A}/{PREFIX}", "dev", self.veth_a)
-        _run("ip", "-n", b, "addr", "add", f"{ADDRESS_B}/{PREFIX}", "dev", self.veth_b)
+        run_command("ip", "netns", "add", a)
+        run_command("ip", "netns", "add", b)
+        run_command("ip", "link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
+        run_command("ip", "link", "set", self.veth_a, "netns", a)
+        run_command("ip", "link", "set", self.veth_b, "netns", b)
+        run_command("ip", "-n", a, "addr", "add", f"{ADDRESS_A}/{PREFIX}", "dev", self.veth_a)
+        run_command("ip", "-n", b, "addr", "add", f"{ADDRESS_B}/{PREFIX}", "dev", self.veth_b)
         for ns, dev in ((a, self.veth_a), (b, self.veth_b)):
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", ns, "link", "set", dev, "up")
+            run_command("ip", "-n", ns, "link", "set", "lo", "up")
+            run_command("ip", "-n", ns, "link", "set", dev, "up")
 
     def shape_link(self, rate: str) -> None:
         """Cap both directions of the veth pair at ``rate`` (tc syntax: ``10gbit``,
@@ -157,21 +157,21 @@ class TwoHostCluster:
         datacenter link instead of the memory-speed veth. ``unshape_link`` removes it."""
         burst = link_burst_bytes(rate)
         for ns, dev in ((self.ns_a, self.veth_a), (self.ns_b, self.veth_b)):
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+            run_command("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                  "burst", str(burst), "latency", "100ms")
 
     def unshape_link(self) -> None:
         """Remove what ``shape_link`` added (nothing if it was never shaped)."""
         for ns, dev in ((self.ns_a, self.veth_a), (self.ns_b, self.veth_b)):
-            _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+            run_command("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
 
     def cut_link(self) -> None:
         """Take the link between the hosts down (both ends lose carrier)."""
-        _run("ip", "-n", self.ns_a, "link", "set", self.veth_a, "down")
+        run_command("ip", "-n", self.ns_a, "link", "set", self.veth_a, "down")
 
     def restore_link(self) -> None:
-        _run("ip", "-n", self.ns_a, "link", "set", self.veth_a, "up")
-        _run("ip", "-n", self.ns_b, "link", "set", self.veth_b, "up")
+        run_command("ip", "-n", self.ns_a, "link", "set", self.veth_a, "up")
+        run_command("ip", "-n", self.ns_b, "link", "set", self.veth_b, "up")
 
     # ------------------------------------------------------------------ ray
     def _python_path(self) -> str:
@@ -219,7 +219,7 @@ class TwoHostCluster:
         os.environ.update({"RAY_AUTH_MODE": "token", **self._token_env()})  # as the nodes run
         _refresh_ray_config()
         self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        _setns(f"/run/netns/{self.ns_a}")  # the driver lives on host A
+        setns(f"/run/netns/{self.ns_a}")  # the driver lives on host A
         ray.init(address=self.address, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": self._python_path()}})
         deadline = time.monotonic() + 60
@@ -245,7 +245,7 @@ class TwoHostCluster:
     @staticmethod
     def _pids_in(ns: str) -> list[int]:
         """Processes in namespace ``ns``, this one excepted."""
-        out = _run("ip", "netns", "pids", ns, check=False, timeout=10).stdout
+        out = run_command("ip", "netns", "pids", ns, check=False, timeout=10).stdout
         return sorted(int(p) for p in out.split() if int(p) != os.getpid())
 
     def stop(self) -> None:
@@ -278,11 +278,11 @@ class TwoHostCluster:
     def leftovers(self) -> list[str]:
         """What is still there after ``stop``: namespaces, links, live processes."""
         out = []
-        listed = _run("ip", "netns", "list", check=False).stdout
+        listed = run_command("ip", "netns", "list", check=False).stdout
         out += [f"netns {ns}" for ns in (self.ns_a, self.ns_b) if ns in listed]
-        links = _run("ip", "-o", "link", check=False).stdout
+        links = run_command("ip", "-o", "link", check=False).stdout
         out += [f"link {dev}" for dev in (self.veth_a, self.veth_b) if dev in links]
-        mine = _run("pgrep", "-f", self.temp_dir or "/nonexistent", check=False).stdout.split()
+        mine = run_command("pgrep", "-f", self.temp_dir or "/nonexistent", check=False).stdout.split()
         out += [f"process {p}" for p in mine if _alive(int(p))]
         return out
 

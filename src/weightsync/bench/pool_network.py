@@ -13,7 +13,7 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from weightsync.bench.multihost import _run, _setns, link_burst_bytes
+from weightsync.bench.multihost import link_burst_bytes, run_command, setns
 
 SUBNET = "10.214.0"
 TRAINER_ADDRESS = f"{SUBNET}.1"
@@ -49,41 +49,41 @@ class HostPool:
         return nodes
 
     def up(self) -> None:
-        _run("ip", "netns", "add", self.switch)
-        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        run_command("ip", "netns", "add", self.switch)
+        run_command("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        run_command("ip", "-n", self.switch, "link", "set", "br0", "up")
         for ns, port, address in self._nodes():
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _run("ip", "link", "set", port, "netns", self.switch)
-            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
-            _run("ip", "-n", self.switch, "link", "set", port, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            run_command("ip", "netns", "add", ns)
+            run_command("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            run_command("ip", "link", "set", port, "netns", self.switch)
+            run_command("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            run_command("ip", "-n", self.switch, "link", "set", port, "up")
+            run_command("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            run_command("ip", "-n", ns, "link", "set", "lo", "up")
+            run_command("ip", "-n", ns, "link", "set", "eth0", "up")
 
     def shape_uplink(self, rate: str) -> None:
         """Cap the trainer's link at ``rate`` (tc syntax: ``250mbit``, ``1gbit``), both ways."""
         ns, port, _ = self._nodes()[0]
         burst = str(link_burst_bytes(rate))
         for where, dev in ((ns, "eth0"), (self.switch, port)):
-            _run("tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+            run_command("tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                  "burst", burst, "latency", "100ms")
 
     def enter_trainer(self) -> None:
         """Move the calling thread (and the threads it starts from now on) onto the trainer."""
         if self._home_ns < 0:
             self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        _setns(f"/run/netns/{self.trainer_ns}")
+        setns(f"/run/netns/{self.trainer_ns}")
 
     def leave(self) -> None:
         if self._home_ns >= 0:
-            _setns(self._home_ns)
+            setns(self._home_ns)
             os.close(self._home_ns)
             self._home_ns = -1
 
     def pids(self, ns: str) -> list[int]:
-        found = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+        found = run_command("ip", "netns", "pids", ns, check=False).stdout.split()
         return [int(p) for p in found if p.isdigit() and int(p) != os.getpid()]
 
     def down(self) -> None:
@@ -93,8 +93,8 @@ class HostPool:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         for ns, _, _ in self._nodes():
-            _run("ip", "netns", "del", ns, check=False)
-        _run("ip", "netns", "del", self.switch, check=False)
+            run_command("ip", "netns", "del", ns, check=False)
+        run_command("ip", "netns", "del", self.switch, check=False)
 
 
 @contextlib.contextmanager
