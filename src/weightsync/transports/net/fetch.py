@@ -11,7 +11,9 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -52,6 +54,8 @@ from weightsync.transports.net.wire import (
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: the largest version a host accepts (after the trainer proved the credential), and never
 #: more than this host's memory
 MAX_VERSION_BYTES = 1 << 42
@@ -77,7 +81,8 @@ class Forwarding:
     whoever sent it: a relay cannot change what it forwards), and who to hand the version
     under way as it arrives (this host's relay serves each chunk once it is checked)."""
 
-    digests: list[str] | None = None
+    #: the trainer's digests, as they come (:meth:`VersionFetcher.fetch_digests`)
+    digests: Future[list[str]] | None = None
     started: Callable[[PackedVersion], None] | None = None
     #: from a relay: give up on it once it sends nothing for this long (None: the deadline)
     idle_s: float | None = None
@@ -134,8 +139,37 @@ class VersionFetcher:
                     offer_base: bool, whole: str | None = None,
                     commit: Callable[[PackedVersion], None] | None = None,
                     forwarding: Forwarding | None = None) -> PackedVersion:
-        host, port = split_address(address)
         asked = want if want is not None else "(current)"
+        forwarding = forwarding or Forwarding()
+        reads = deadline if forwarding.idle_s is None else deadline.idle_limited(forwarding.idle_s)
+        return self._exchange(address, credential, asked, deadline, reads, lambda sock, seal:
+                              self._receive(sock, seal, address, want, reads, offer_base, whole,
+                                            commit, forwarding))
+
+    def fetch_digests(self, address: str, credential: str, version: int,
+                      timeout: float | None) -> list[str]:
+        """The trainer's digest of each chunk of ``version``, over this host's own sealed
+        connection to it (to check the version as it comes from another host)."""
+        deadline = Deadline(timeout)
+
+        def ask(sock: socket.socket, seal: Seal) -> list[str]:
+            send_frame(sock, {"digests": version}, seal)
+            reply = recv_frame(sock, seal=seal, deadline=deadline,
+                               what=f"host {self.name}: the digests from {address}")
+            digests = reply.get("digests")
+            if not isinstance(digests, list) or not all(
+                    isinstance(d, str) and len(d) == 32 for d in digests):
+                raise WeightSyncError(f"host {self.name}: the trainer at {address} gave no "
+                                      f"digests of version {version}: {reply.get('error')}")
+            return digests
+        return self._exchange(address, credential, f"{version} (its digests)", deadline,
+                              deadline, ask)
+
+    def _exchange(self, address: str, credential: str, asked: object, deadline: Deadline,
+                  reads: Deadline, body: Callable[[socket.socket, Seal], T]) -> T:
+        """Connect to ``address``, prove this host's ``credential``, run ``body`` on the
+        sealed connection; its failures as this host's named errors."""
+        host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=deadline.remaining())
         except TimeoutError:
@@ -144,14 +178,10 @@ class VersionFetcher:
             raise SenderLostError(f"host {self.name}: cannot reach the trainer at {address} "
                                   f"({exc}); is it running, and is that address reachable "
                                   f"from here?") from None
-        forwarding = forwarding or Forwarding()
-        reads = deadline if forwarding.idle_s is None else deadline.idle_limited(forwarding.idle_s)
         with sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                seal = prove_to_trainer(sock, credential, self.name, reads)
-                return self._receive(sock, seal, address, want, reads, offer_base, whole,
-                                     commit, forwarding)
+                return body(sock, prove_to_trainer(sock, credential, self.name, reads))
             except DeadlinePassed as exc:
                 raise self._late(address, asked, deadline, str(exc)) from None
             except (ProtocolError, OSError) as exc:
@@ -203,12 +233,9 @@ class VersionFetcher:
         if based is None and self.last_whole_reason:
             logger.info("host %s receives version %d whole: %s", self.name, version,
                         self.last_whole_reason)
-        out = self._buffer(nbytes, version)
+        # a relaying host's versions are served on: no buffer of theirs is written again
+        out = self._buffer(nbytes, version, reuse=forwarding.started is None)
         count = chunk_count(nbytes)
-        digests = forwarding.digests
-        if digests is not None and len(digests) != count:
-            raise IntegrityError(f"host {self.name}: version {version} from {address} has "
-                                 f"{count} chunks, but the trainer's digests name {len(digests)}")
         # the version under way, each chunk marked ready once checked (a relay serves it)
         packed = PackedVersion(version, entries, out, [0] * count, regions=regions,
                                shapes=shapes, metadata=metadata, _ready=0)
@@ -216,7 +243,7 @@ class VersionFetcher:
             forwarding.started(packed)
         try:
             kinds = self._chunks(sock, seal, address, packed, base if based is not None else None,
-                                 digests, deadline)
+                                 forwarding.digests, deadline)
         except BaseException as exc:
             packed.mark_failed(f"{type(exc).__name__}: {exc}")
             raise
@@ -240,12 +267,13 @@ class VersionFetcher:
         return packed
 
     def _chunks(self, sock: socket.socket, seal: Seal, address: str, packed: PackedVersion,
-                base: PackedVersion | None, digests: list[str] | None,
+                base: PackedVersion | None, trainers: Future[list[str]] | None,
                 deadline: Deadline) -> dict[str, int]:
         """Rebuild every chunk of ``packed`` from the stream (whole, or a delta against
         ``base``), each checked (MAC, checksum, the trainer's digest when given) before it
         is marked ready; returns how many chunks came as each kind."""
         version, out, nbytes = packed.version, packed.buffer, packed.nbytes
+        digests: list[str] | None = None
         kinds: dict[str, int] = {}
         position = bytearray(CHUNK_POSITION.size)
         for index in range(chunk_count(nbytes)):
@@ -284,6 +312,8 @@ class VersionFetcher:
                 raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
                                    f"{where} differs from the trainer's checksum; the version "
                                    "is refused and this host keeps the one it held")
+            if trainers is not None and digests is None:
+                digests = self._digests(trainers, version, chunk_count(nbytes), deadline)
             if digests is not None and chunk_digest(target) != digests[index]:
                 raise self._refuse(sock, seal, IntegrityError,
                                    f"{where} from {address} differs from the trainer's digest "
@@ -293,11 +323,24 @@ class VersionFetcher:
             packed.mark_ready(index + 1)
         return kinds
 
-    def _buffer(self, nbytes: int, version: int) -> torch.Tensor:
+    def _digests(self, trainers: Future[list[str]], version: int, count: int,
+                 deadline: Deadline) -> list[str]:
+        """The trainer's digests of ``version``, once they came (within ``deadline``)."""
+        try:
+            digests = trainers.result(timeout=deadline.remaining())
+        except TimeoutError:
+            raise DeadlinePassed(f"the trainer's digests of version {version} did not come "
+                                 f"within {deadline}") from None
+        if len(digests) != count:
+            raise IntegrityError(f"host {self.name}: version {version} has {count} chunks, but "
+                                 f"the trainer's digests name {len(digests)}")
+        return digests
+
+    def _buffer(self, nbytes: int, version: int, reuse: bool = True) -> torch.Tensor:
         """Where version ``version`` is rebuilt: the buffer of the base before last when it
-        fits (no page faults of fresh memory), a new one otherwise."""
+        fits and ``reuse`` (no page faults of fresh memory), a new one otherwise."""
         spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == nbytes and self._allocate is None:
+        if reuse and spare is not None and spare.numel() == nbytes and self._allocate is None:
             return spare
         try:
             if self._allocate is not None:

@@ -55,9 +55,8 @@ class NetLink:
         self.round = ""
         self.committed = NO_VERSION
         #: where this host fetches ``delivered`` from (:mod:`.relay`): the relays before it,
-        #: nearest first (empty: the trainer), and the trainer's digest of each chunk
+        #: nearest first (empty: the trainer)
         self.sources: list[str] = []
-        self.digests: list[str] | None = None
         #: this worker fetches for its host, which hosts after it fetch from (its relay)
         self.lead = False
         self.feeds = False
@@ -156,11 +155,9 @@ class NetLink:
 
     def _take_route(self, notice: dict[str, Any]) -> None:
         """Whom this host fetches the version from, and whether hosts fetch from it."""
-        sources, digests = notice.get("sources"), notice.get("digests")
+        sources = notice.get("sources")
         self.sources = [a for a in sources if isinstance(a, str)][:8] \
             if isinstance(sources, list) else []
-        self.digests = digests if isinstance(digests, list) and all(
-            isinstance(d, str) for d in digests) else None
         self.lead, self.feeds = notice.get("lead") is True, notice.get("feeds") is True
 
     def send(self, message: dict[str, Any]) -> None:

@@ -211,8 +211,8 @@ class NetMembers:
         fetches from (the hosts before it, nearest first: :func:`~.relay.chain`), whether
         it is the worker that fetches for its host, and whether hosts fetch from it."""
         with self.cond:
-            if self._current is None or "digests" not in self._current[2]:
-                return {}  # one host, or a sharded trainer's (each host fetches every rank)
+            if self._current is None or "ranks" in self._current[2]:
+                return {}  # a sharded trainer's: each host fetches every rank's part
             live = [w for w in sorted(targets) if w in self._connections and w in self._host]
             leads: dict[str, int] = {}
             for w in live:
@@ -228,7 +228,7 @@ class NetMembers:
         """A joining worker's route to the current version: the hosts that hold it,
         nearest before its own first (a restarted host takes it mostly from its peers)."""
         host = self._host.get(idx)
-        if host is None or self._current is None or "digests" not in self._current[2]:
+        if host is None or self._current is None or "ranks" in self._current[2]:
             return {}
         version = self._current[0]
         leads: dict[str, int] = {}

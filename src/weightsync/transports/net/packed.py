@@ -62,6 +62,8 @@ class PackedVersion:
     _ready: int = -1  # chunks [0, _ready) are packed; -1: all of them
     _failed: str | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _digests: list[str] | None = field(default=None, repr=False)
+    _digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def wait_chunk(self, index: int, timeout: float) -> None:
         """Block until chunk ``index`` is packed; ``TimeoutError`` or ``RuntimeError`` (the
@@ -115,15 +117,23 @@ class PackedVersion:
             self._failed = why
             self._cond.notify_all()
 
-    def chunk_digests(self) -> list[str]:
+    def chunk_digests(self, timeout: float) -> list[str]:
         """A cryptographic digest of each chunk (the checksums are not: they catch damage,
         not a peer that recomputes them), so that a host can verify chunks a relay forwards
-        against what the trainer sent it over its own sealed link."""
-        chunks = [self.chunk(i) for i in range(chunk_count(self.nbytes))]
-        if len(chunks) < 4:
-            return [chunk_digest(c) for c in chunks]
-        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing frees the GIL
-            return list(pool.map(chunk_digest, chunks))
+        against what the trainer told it over its own sealed connection. Computed once,
+        when a host first asks, after the version is packed (within ``timeout``)."""
+        count = chunk_count(self.nbytes)
+        if count:
+            self.wait_chunk(count - 1, timeout)
+        with self._digest_lock:  # not the chunks' condition: streams go on meanwhile
+            if self._digests is None:
+                chunks = [self.chunk(i) for i in range(count)]
+                if len(chunks) < 4:
+                    self._digests = [chunk_digest(c) for c in chunks]
+                else:  # hashing frees the GIL
+                    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+                        self._digests = list(pool.map(chunk_digest, chunks))
+            return list(self._digests)
 
     @property
     def nbytes(self) -> int:

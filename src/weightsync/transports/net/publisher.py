@@ -227,6 +227,9 @@ class VersionPublisher:
                 conn.settimeout(None)  # a control connection lives as long as its worker
                 self._on_join(conn, seal, host, request)
                 return
+            if "digests" in request:
+                self._send_digests(conn, seal, request.get("digests"))
+                return
             packed, base, whole = self._choose(request)
             if packed is None:
                 with self._cond:
@@ -269,6 +272,18 @@ class VersionPublisher:
                         self._streaming[figures.version] = left
                 self._cond.notify_all()
             conn.close()
+
+    def _send_digests(self, conn: socket.socket, seal: Seal, version: object) -> None:
+        """A host's request for the digests of ``version``'s chunks (it fetches the version
+        from another host, and checks each chunk against them): once it is packed."""
+        with self._cond:
+            found = [v for v in (self._current, self._previous)
+                     if v is not None and v.version == version]
+        if not found:
+            send_frame(conn, {"error": f"the trainer has no version {version!r:.20} (its "
+                                       "current and previous ones only)"}, seal)
+            return
+        send_frame(conn, {"digests": found[0].chunk_digests(self.timeout)}, seal)
 
     def _choose(self, request: dict[str, Any]
                 ) -> tuple[PackedVersion | None, PackedVersion | None, str | None]:

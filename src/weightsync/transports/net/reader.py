@@ -30,7 +30,7 @@ from weightsync.transports.net.fetch import Forwarding, VersionFetcher
 from weightsync.transports.net.host_stage import HostStage, host_id
 from weightsync.transports.net.link import NetLink
 from weightsync.transports.net.packed import PackedVersion
-from weightsync.transports.net.relay import IDLE_S, LEAD_GRACE_S, HostRelay
+from weightsync.transports.net.relay import LEAD_GRACE_S, HostRelay, relayed
 from weightsync.transports.net.sharded_fetch import ShardedFetcher, fetch_packed
 
 logger = logging.getLogger(__name__)
@@ -167,12 +167,12 @@ class NetReader:
                     return
                 link = self.link
                 wanted, round_, ranks = link.delivered, link.round, list(link.ranks)
-                sources, digests = list(link.sources), link.digests
+                sources = list(link.sources)
                 leaves_it = link.feeds and not link.lead  # to the worker whose relay serves
             assert self.stage is not None
             said = {"round": round_} if round_ else {}
             fetch = partial(self._fetch_ranks, ranks, wanted, round_) if ranks \
-                else partial(self._fetch, wanted, sources, digests)
+                else partial(self._fetch, wanted, sources)
             if leaves_it:
                 self._await_lead(wanted)
             self._came_from = None
@@ -210,27 +210,20 @@ class NetReader:
                     return
                 self._cond.wait(0.02)
 
-    def _fetch(self, wanted: int, sources: list[str], digests: list[str] | None,
-               base: tuple[PackedVersion, str] | None,
+    def _fetch(self, wanted: int, sources: list[str], base: tuple[PackedVersion, str] | None,
                allocate: Callable[[int], torch.Tensor]) -> tuple[PackedVersion, str]:
-        """Version ``wanted`` from the relays before this host, nearest first (each chunk
-        checked against the trainer's ``digests``; a relay that fails, stalls or sends a
-        changed chunk is passed over), else the trainer's current one; this worker's relay
-        serves it on as it arrives."""
+        """Version ``wanted`` from the relays before this host, nearest first, each chunk
+        checked against the digests the trainer tells this host (a relay that fails,
+        stalls or sends a changed chunk is passed over), else the trainer's current one;
+        this worker's relay serves it on as it arrives."""
         deadline = Deadline(self.timeout)
         offer = None if self.relay is None else self.relay.offer
-        if digests is not None:
-            for source in sources:
-                fetcher = self._fetcher(base, allocate)
-                try:
-                    packed = fetcher.fetch(source, self.link.credential, wanted,
-                                           deadline.remaining(), forwarding=Forwarding(
-                                               digests, offer, IDLE_S))
-                except (WeightSyncError, OSError) as exc:
-                    logger.warning("%s: version %d from the relay at %s failed (%s); asking "
-                                   "the next source", self.name, wanted, source, exc)
-                    continue
-                self._came_from = source
+        if sources:
+            fetcher = self._fetcher(base, allocate)
+            fetched = relayed(sources, wanted, fetcher, self.link.address,
+                              self.link.credential, deadline, offer)
+            if fetched is not None:
+                packed, self._came_from = fetched
                 return packed, str(fetcher.base_session)
         fetcher = self._fetcher(base, allocate)
         packed = fetcher.fetch(self.link.address, self.link.credential, None,

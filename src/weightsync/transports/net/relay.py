@@ -5,17 +5,21 @@ Each worker runs a relay: a listener (:class:`~.publisher.VersionPublisher`, on 
 its host reaches the trainer from) that serves the versions this worker fetches for its
 host, each chunk as soon as it arrived and was checked, as whole chunks or as a delta
 against the version the asking host holds. The trainer tells each host whom to fetch from
-(:func:`chain`: the hosts before it, nearest first, then the trainer itself) and, over that
-host's own sealed link, a digest of every chunk (:meth:`~.packed.PackedVersion.
-chunk_digests`): a chunk that a relay changed or damaged is refused, and the host fetches
-from the next source. A relay that dies or stalls costs the hosts after it one idle limit
-(:data:`IDLE_S`), not their deadline."""
+(:func:`chain`: the hosts before it, nearest first, then the trainer itself); the host asks
+the trainer, over its own sealed connection, for a digest of every chunk (:meth:`~.packed.
+PackedVersion.chunk_digests`), and refuses a chunk that a relay changed or damaged, then
+fetches from the next source (:func:`relayed`). A relay that dies or stalls costs the hosts
+after it one idle limit (:data:`IDLE_S`), not their deadline."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+from weightsync.core.deadline import Deadline
+from weightsync.core.errors import WeightSyncError
+from weightsync.transports.net.fetch import Forwarding, VersionFetcher
 from weightsync.transports.net.packed import PackedVersion
 from weightsync.transports.net.publisher import VersionPublisher
 from weightsync.transports.net.wire import join_address
@@ -40,6 +44,35 @@ def chain(hosts: Sequence[str], relays: Mapping[str, str]) -> dict[str, list[str
         before = [relays[h] for h in reversed(hosts[:position]) if h in relays]
         routes[host] = before[:UPSTREAM]
     return routes
+
+
+def relayed(sources: Sequence[str], version: int, fetcher: VersionFetcher, trainer: str,
+            credential: str, deadline: Deadline, offer: Callable[[PackedVersion], None] | None,
+            *, relay_credential: str | None = None,
+            commit: Callable[[PackedVersion], None] | None = None
+            ) -> tuple[PackedVersion, str] | None:
+    """Version ``version`` from the first of ``sources`` (relays) that delivers it whole,
+    each chunk checked against the digests the ``trainer`` gives this host (``credential``:
+    its own there; ``relay_credential``: the one it proves to relays, default the same),
+    with the source it came from; None if none did (the caller asks the trainer).
+    ``offer``: this host's relay, which serves the version on as it arrives."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-net-digests")
+    try:
+        digests = pool.submit(fetcher.fetch_digests, trainer, credential, version,
+                              deadline.remaining())
+        for source in sources:
+            try:
+                packed = fetcher.fetch(source, relay_credential or credential, version,
+                                       deadline.remaining(), commit=commit,
+                                       forwarding=Forwarding(digests, offer, IDLE_S))
+            except (WeightSyncError, OSError) as exc:
+                logger.warning("host %s: version %d from the relay at %s failed (%s); "
+                               "asking the next source", fetcher.name, version, source, exc)
+                continue
+            return packed, source
+        return None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class HostRelay:

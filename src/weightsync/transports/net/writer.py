@@ -6,7 +6,7 @@ version is packed once (cast to the wire dtype, checksummed per chunk) and each 
 told of it; each host fetches it once, as whole chunks or as a delta against the version
 it holds, and a send is delivered once every worker's host staged it. With several hosts,
 the version leaves the trainer about once: hosts forward it along a chain (:mod:`.relay`),
-each chunk checked against the digest the trainer tells each host over its own link.
+each chunk checked against the digests the trainer tells each host over its own connection.
 """
 
 from __future__ import annotations
@@ -69,11 +69,9 @@ class NetWriter:
         if spare is not None:
             packed.buffer = spare
         packed.fill(weights)
-        # hosts that fetch from other hosts check each chunk against these
-        extra = {"digests": packed.chunk_digests()} if self.members.host_count() > 1 else {}
         with self.members.joining:
             self.publisher.publish(packed)
-            self.members.published(version, layout.with_dtype(self.dtype).to_dict(), extra)
+            self.members.published(version, layout.with_dtype(self.dtype).to_dict())
             return self.members.reachable(requested)[1]
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
