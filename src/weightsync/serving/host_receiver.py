@@ -21,7 +21,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -41,7 +41,10 @@ from weightsync.serving.owners import (
     write_owner,
 )
 from weightsync.transports.directory.files import write_json_atomic
-from weightsync.transports.net.fetch import VersionFetcher
+from weightsync.transports.net.fetch import Forwarding, VersionFetcher
+from weightsync.transports.net.handshake import host_credential
+from weightsync.transports.net.packed import PackedVersion
+from weightsync.transports.net.relay import HostRelay, local_address_toward, relayed
 from weightsync.transports.net.sharded_fetch import ShardedFetcher
 
 logger = logging.getLogger(__name__)
@@ -138,6 +141,9 @@ class HostReceiver:
         self._lock = threading.Lock()  # one stage at a time, in the background or not
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="weightsync-stage")
         self._pending: dict[str, Future[int]] = {}  # background stages, by request key
+        #: with several servers: serves what this host fetches to the servers after it
+        self.relay: HostRelay | None = None
+        self._relay_key = ""
 
     def _start_over(self) -> None:
         """An empty staging directory with this process's owner record (a previous engine's
@@ -158,26 +164,47 @@ class HostReceiver:
                                                  timeout=self.timeout)
         self.layout = {}
 
+    def _relay_for(self, trainer: str, pool: str, delta: bool) -> HostRelay | None:
+        """This host's relay under the session's ``pool`` key (None without one), started
+        at the first stage that has it; the trainer learns its address from each request."""
+        if not pool:
+            return None
+        if self.relay is None or self._relay_key != pool:
+            if self.relay is not None:
+                self.relay.close()
+            self.relay = HostRelay(local_address_toward(trainer), pool, timeout=self.timeout,
+                                   delta=delta)
+            self._relay_key = pool
+            self.fetcher.relay_address = self.relay.address
+        return self.relay
+
     def stage(self, address: str | Sequence[str], token: str, want: int | None, key: str,
-              timeout: float, *, new_session: bool = False) -> int:
+              timeout: float, *, new_session: bool = False, relays: Sequence[str] = (),
+              pool: str = "", delta: bool = False) -> int:
         """Fetch ``want`` (None: the trainer's current version) from the trainer, or from
         every rank of a sharded trainer (``address``: theirs, rank by rank), commit it
         locally and return its local version; the outcome is in the status file under
         ``key`` either way (an error is raised here too), written before the trainer hears
         the version arrived, so its verdict means "staged". ``new_session`` (an init, where
         every rank attaches afresh): a version of another layout than the one staged (the
-        trainer now sends another dtype or model) starts the staging directory over."""
+        trainer now sends another dtype or model) starts the staging directory over. With
+        the session's ``pool`` key, this host relays what it fetches to other servers, and
+        ``relays`` (other servers' hosts) are asked for ``want`` before the trainer, each
+        chunk checked against the trainer's digests; the trainer then hears a report."""
         staged: list[int] = []
 
         def commit(version: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
                    ) -> None:
             staged.append(self._commit(version, tensors, metadata, key, timeout, new_session))
 
+        def commit_packed(packed: PackedVersion) -> None:
+            commit(packed.version, packed.tensors(), packed.metadata)
+
         with self._lock:
             try:
                 if isinstance(address, str):
-                    self.fetcher.fetch(address, token, want, timeout, commit=lambda packed: commit(
-                        packed.version, packed.tensors(), packed.metadata))
+                    self._fetch(address, token, want, timeout, commit_packed,
+                                self._relay_for(address, pool, delta), relays, pool)
                 else:
                     self.sharded.fetch(address, token, want, timeout, commit=lambda version,
                                        tensors: commit(version, tensors, {}))
@@ -185,6 +212,27 @@ class HostReceiver:
                 self._status({"key": key, "error": f"{type(exc).__name__}: {exc}"})
                 raise
             return staged[0]
+
+    def _fetch(self, trainer: str, token: str, want: int | None, timeout: float,
+               commit: Callable[[PackedVersion], None], relay: HostRelay | None,
+               relays: Sequence[str], pool: str) -> None:
+        """``want`` from the first of ``relays`` that delivers it checked (then reported to
+        the trainer), else from the trainer; this host's ``relay`` serves it on."""
+        deadline = Deadline(timeout)
+        offer = None if relay is None else relay.offer
+        if relays and want is not None and relay is not None:
+            server_id = token.partition(".")[0]  # the id the trainer's credential names
+            fetched = relayed(relays, want, self.fetcher, trainer, token, deadline, offer,
+                              relay_credential=host_credential(pool, server_id), commit=commit)
+            if fetched is not None:
+                try:
+                    self.fetcher.report(trainer, token, want, fetched[1], deadline.remaining())
+                except WeightSyncError as exc:  # staged all the same: the trainer times out
+                    logger.warning("host %s staged version %d from %s but could not tell the "
+                                   "trainer: %s", self.fetcher.name, want, fetched[1], exc)
+                return
+        self.fetcher.fetch(trainer, token, want, deadline.remaining(), commit=commit,
+                           forwarding=Forwarding(started=offer))
 
     def _commit(self, version: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                 key: str, timeout: float, new_session: bool) -> int:
@@ -206,12 +254,13 @@ class HostReceiver:
         return local
 
     def stage_in_background(self, address: str | Sequence[str], token: str, want: int,
-                            key: str, timeout: float, *, new_session: bool = False) -> None:
-        """Start :meth:`stage` on this receiver's thread and return at once (the engine
-        keeps generating while the version travels); :meth:`staged` waits for it."""
+                            key: str, timeout: float, **options: Any) -> None:
+        """Start :meth:`stage` (``options``: its keywords) on this receiver's thread and
+        return at once (the engine keeps generating while the version travels);
+        :meth:`staged` waits for it."""
         self._pending = {k: f for k, f in self._pending.items() if not f.done()}
         self._pending[key] = self._stager.submit(self.stage, address, token, want, key, timeout,
-                                                 new_session=new_session)
+                                                 **options)
 
     def staged(self, key: str, timeout: float) -> int | None:
         """The local version of the background stage started for ``key`` once it ends, or
@@ -235,6 +284,9 @@ class HostReceiver:
 
     def close(self) -> None:
         self._stager.shutdown(wait=False, cancel_futures=True)
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.sender is not None:
             self.sender.close()
             self.sender = None

@@ -6,6 +6,8 @@ do not."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import time
 from typing import Any
@@ -18,6 +20,7 @@ from weightsync.integrations.vllm.trainer_servers import Servers
 from weightsync.transports.net.handshake import host_credential
 from weightsync.transports.net.packed import PackedVersion, plan
 from weightsync.transports.net.publisher import VersionPublisher
+from weightsync.transports.net.relay import chain
 
 
 def server_init_info(address: str, token: str, index: int, timeout: float) -> dict[str, Any]:
@@ -41,6 +44,9 @@ class NetworkMode:
         self.is_sender = is_sender
         self.publisher: VersionPublisher | None = None
         self.token = ""  # the session's secret: it never leaves the trainer
+        #: the servers' key among themselves (HMAC of the token): each proves its own
+        #: credential of it to another's relay; it cannot pose as the trainer with it
+        self.pool = ""
         self.version = -1
 
     @classmethod
@@ -53,6 +59,8 @@ class NetworkMode:
         if not is_sender:
             return mode
         mode.token = secrets.token_hex(32)
+        mode.pool = hmac.new(mode.token.encode(), b"weightsync-net pool",
+                             hashlib.sha256).hexdigest()
         publisher = mode.publisher = VersionPublisher(
             config.address, mode.token, timeout=config.send.timeout, delta=config.delta)
         mode.version = 0
@@ -85,19 +93,34 @@ class NetworkMode:
 
         def update(index: int, client: Any) -> None:
             servers = self.servers
+            relays = self._relays(index)
             if servers.in_flight(client):
                 assert self.publisher is not None
-                servers.bring_in_flight(index, client, version, self.publisher, self._init_info)
+                servers.bring_in_flight(index, client, version, self.publisher, self._init_info,
+                                        relays)
                 return
-            servers.update_server(index, client, version, init=self._init_server)
+            servers.update_server(index, client, version, init=self._init_server, relays=relays)
 
         self.servers.each_server("update", version, update, lambda: self._fill(packed, weights),
                                  self.publisher)
 
     def _init_info(self, index: int) -> dict[str, Any]:
         assert self.publisher is not None
-        return server_init_info(self.publisher.address, self.token, index,
-                                self.config.send.timeout)
+        return {**server_init_info(self.publisher.address, self.token, index,
+                                   self.config.send.timeout),
+                "pool": self.pool, "delta": self.config.delta}
+
+    def _relays(self, index: int) -> list[str]:
+        """Whom server ``index``'s host fetches a version from before the trainer: the
+        relays of the servers before it, nearest first (:func:`~weightsync.transports.net.
+        relay.chain`; a server's relay is known once it fetched once). None in adapter mode
+        (an adapter is small: each server's host fetches it from the trainer)."""
+        assert self.publisher is not None
+        if self.adapter is not None:
+            return []
+        names = [f"server{i}" for i in range(len(self.servers.clients))]
+        known = {name: self.publisher.relay_of(name) for name in names}
+        return chain(names, {n: a for n, a in known.items() if a is not None})[names[index]]
 
     def _init_server(self, index: int, client: Any) -> None:
         """Have a server's host fetch the current version and every rank load it (a new or

@@ -103,11 +103,12 @@ class Servers:
 
     def bring_in_flight(self, index: int, client: Any, version: int,
                         publisher: VersionPublisher,
-                        init_info: Callable[[int], dict[str, Any]]) -> None:
+                        init_info: Callable[[int], dict[str, Any]],
+                        relays: list[str] | None = None) -> None:
         """Server ``index`` stages ``version`` in the background (with its init, from
-        ``init_info(index)``, if it is new or failed: ``needs_init``), keeps generating
-        until its host staged it, then takes it inside vLLM's pause, labelled; all within
-        the engine's timeout."""
+        ``init_info(index)``, if it is new or failed: ``needs_init``; from ``relays``, other
+        servers' hosts, before the trainer), keeps generating until its host staged it,
+        then takes it inside vLLM's pause, labelled; all within the engine's timeout."""
         deadline = Deadline(self.timeout)
         url = server_url(client)
         assert url is not None
@@ -117,10 +118,11 @@ class Servers:
             # its one stream of the version (no other follows at the take)
             client.init_weight_transfer_engine(
                 {**init_info(index), "session": self.session, "stage_version": version,
-                 "url": url})
+                 "url": url, **relaying(relays)})
         else:
             client.start_weight_update()
-            client.update_weights({"version": version, "session": self.session, "stage": True})
+            client.update_weights({"version": version, "session": self.session, "stage": True,
+                                   **relaying(relays)})
             client.finish_weight_update()
         wait_host_staged(publisher, index, url, version, after, deadline)
         self.round_takes[url] = take(client, url, version, self.label(version), self.session,
@@ -133,15 +135,16 @@ class Servers:
             self.adapter.point(index, client, version, self.timeout)
 
     def update_server(self, index: int, client: Any, version: int,
-                      init: ServerCall | None = None) -> None:
+                      init: ServerCall | None = None, relays: list[str] | None = None) -> None:
         """vLLM's update calls for server ``index`` (first initialised again by ``init`` if
-        it failed), loading ``version``; an adapter is pointed at before the version label
-        is set, so the label never names a version the adapter's name does not serve."""
+        it failed), loading ``version`` (from ``relays`` before the trainer); an adapter is
+        pointed at before the version label is set, so the label never names a version the
+        adapter's name does not serve."""
         if index in self.needs_init and init is not None:
             init(index, client)
             self.needs_init.discard(index)
         client.start_weight_update()
-        client.update_weights({"version": version, "session": self.session})
+        client.update_weights({"version": version, "session": self.session, **relaying(relays)})
         try:
             self.point_adapter(index, client, version)
             self.reset_prefix_cache(client, version)
@@ -240,6 +243,8 @@ class Servers:
             "chunks": sum(f.chunks for f in streams),
             "delta_chunks": sum(f.delta_chunks for f in streams),
             "hosts": [figures_dict(f) for f in streams],
+            # per host (the id it proved, e.g. server1): "trainer", or the relay it named
+            "fetched_from": {f.peer_id or f.host: f.source for f in streams if not f.error},
             # hosts that got this version whole though delta is on, and why
             "whole": {f.host: f.whole_reason for f in streams if f.whole_reason},
             "failed": {name: str(exc) for name, exc in errors.items()},
@@ -257,6 +262,12 @@ class Servers:
         the streams that went whole with delta on (a host's first version included)."""
         return {"last": self._stats[-1] if self._stats else None, "versions": list(self._stats),
                 "whole_streams": self._whole_streams}
+
+
+def relaying(relays: list[str] | None) -> dict[str, Any]:
+    """The ``relays`` field of a call, when there are any (a server of an older weightsync
+    would refuse a field it does not know)."""
+    return {"relays": relays} if relays else {}
 
 
 def server_name(client: Any) -> str:

@@ -17,6 +17,19 @@ from weightsync.schemes.ranks import MAX_TRAINER_RANKS
 from weightsync.serving.sessions import checked_session
 from weightsync.transports.net.wire import split_address
 
+#: the most relays a server is told to try before the trainer
+MAX_RELAYS = 8
+
+
+def checked_relays(relays: object, where: str) -> list[str]:
+    """A list of at most ``MAX_RELAYS`` HOST:PORT (other servers' hosts that relay the
+    version, nearest first): a ValueError naming ``where`` otherwise."""
+    if not isinstance(relays, list) or len(relays) > MAX_RELAYS:
+        raise ValueError(f"{where} 'relays' must be a list of at most {MAX_RELAYS} HOST:PORT")
+    for address in relays:
+        split_address(address)
+    return list(relays)
+
 
 @dataclass
 class WeightSyncInitInfo(WeightTransferInitInfo):
@@ -46,6 +59,13 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     #: in-flight: this server's URL as the trainer reaches it; a take the trainer leaves
     #: unfinished for ``timeout`` s is finished by the server there (``take_lease``)
     url: str = ""
+    #: the network path with several servers: the session's key among its servers (each
+    #: server's host relays versions to the others and proves its own credential of this
+    #: key to them; it cannot pose as the trainer), the relays to try for ``stage_version``
+    #: before the trainer, nearest first, and whether a relay sends deltas
+    pool: str = ""
+    relays: list[str] = field(default_factory=list)
+    delta: bool = False
 
     def __post_init__(self) -> None:
         """Checked once, as vLLM parses the dict: a bad field is a ValueError naming it."""
@@ -59,6 +79,12 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
             if not self.address or self.adapter:
                 raise ValueError("init_info 'stage_version' is for full weights on the "
                                  "network path ('address', no 'adapter')")
+        self.relays = checked_relays(self.relays, "init_info")
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"init_info delta must be true or false, got {self.delta!r}")
+        if self.relays and not self.pool:
+            raise ValueError("init_info 'relays' needs the session's 'pool' key (the weightsync "
+                             "trainer engine sends both)")
         if self.adapter:
             check_adapter_name(self.adapter)
             if not os.path.isabs(self.adapter_dir):
@@ -102,6 +128,8 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     #: in-flight: the label the trainer gives the version at ``finish_weight_update`` (the
     #: server sets it itself if the trainer does not come back, ``take_lease``)
     label: str = ""
+    #: the relays (other servers' hosts) to fetch ``version`` from before the trainer
+    relays: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Versions are ints (3.9 or True is refused, never truncated); timeouts finite."""
@@ -116,3 +144,4 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"update_info label must be a string (vLLM's weight_version), "
                              f"got {self.label!r}")
         self.timeout = checked_timeout(self.timeout, "update_info timeout")
+        self.relays = checked_relays(self.relays, "update_info")

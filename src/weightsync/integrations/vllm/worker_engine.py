@@ -52,6 +52,12 @@ def _worker_index() -> int:
         return 0
 
 
+def _relaying(remote: WeightSyncInitInfo, relays: list[str] | None) -> dict[str, Any]:
+    """What a stage on the network path with several servers takes: the session's pool
+    key, whether this host's relay sends deltas, and the relays to try first."""
+    return {"relays": relays or [], "pool": remote.pool, "delta": remote.delta}
+
+
 def _is_host_receiver() -> bool:
     """Whether this worker receives the network path's versions for its host (local rank 0:
     one receive per host, however many ranks it has)."""
@@ -112,7 +118,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         idx = self.worker_idx
         if init_info.stage_version is not None:
             warm_up_in_background()  # the checksum kernels: here, not in a take
-            self._start_staging(init_info, init_info.stage_version, new_session=True)
+            self._start_staging(init_info, init_info.stage_version, new_session=True,
+                                relays=init_info.relays)
             self.remote = init_info
             if init_info.url and idx == 0:
                 self.lease = TakeLease(init_info.url, init_info.timeout,
@@ -129,7 +136,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                                              init_info.timeout)
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
                 local = self.host.stage(_trainer(init_info), init_info.token, None, key,
-                                        init_info.timeout, new_session=True)
+                                        init_info.timeout, new_session=True,
+                                        pool=init_info.pool, delta=init_info.delta)
             else:
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
                 local = wait_staged(self.staging, key, init_info.timeout, where)
@@ -240,7 +248,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         version = update_info.version
         if self.remote is not None:
             self._receive_remote(version, update_info.timeout, update_info.stage,
-                                 update_info.label)
+                                 update_info.label, update_info.relays)
             return
         receiver = self._receiver()
         if version is None:
@@ -250,9 +258,10 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         apply_exact(receiver, version, update_info.timeout)
 
     def _start_staging(self, remote: WeightSyncInitInfo, version: int, *,
-                       new_session: bool = False) -> None:
+                       new_session: bool = False, relays: list[str] | None = None) -> None:
         """In-flight: this host's receiver (local rank 0) starts fetching and staging
-        ``version`` in the background; the other ranks have nothing to do yet."""
+        ``version`` in the background (from ``relays`` first: other servers' hosts); the
+        other ranks have nothing to do yet."""
         if not _is_host_receiver():
             return
         if self.host is None:
@@ -260,10 +269,11 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                                      remote.timeout)
         self.host.stage_in_background(_trainer(remote), remote.token, version,
                                       request_key(remote.token, f"version/{version}"),
-                                      remote.timeout, new_session=new_session)
+                                      remote.timeout, new_session=new_session,
+                                      **_relaying(remote, relays))
 
     def _receive_remote(self, version: int | None, timeout: float | None, stage: bool,
-                        label: str) -> None:
+                        label: str, relays: list[str]) -> None:
         """The network path: this host's receiver fetches the trainer's ``version`` and
         stages it (in the background when it was asked to ``stage`` it before); every rank
         then loads exactly that staged version."""
@@ -273,30 +283,33 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             raise ValueError("the weightsync network path needs update_info {'version': v} "
                              "(the weightsync trainer engine sends it)")
         if stage:
-            self._start_staging(remote, version)
+            self._start_staging(remote, version, relays=relays)
             if self.lease is not None:
                 self.lease.loaded(None)
             return
         if self.lease is None:
-            self._take(remote, version, timeout)
+            self._take(remote, version, timeout, relays)
             return
         self.lease.loading()
         loaded = False
         try:
-            self._take(remote, version, timeout)
+            self._take(remote, version, timeout, relays)
             loaded = True
         finally:
             self.lease.loaded(label if loaded and label else None)
 
-    def _take(self, remote: WeightSyncInitInfo, version: int, timeout: float | None) -> None:
-        """Every rank loads ``version``, staged on this host (fetched now if it was not)."""
+    def _take(self, remote: WeightSyncInitInfo, version: int, timeout: float | None,
+              relays: list[str]) -> None:
+        """Every rank loads ``version``, staged on this host (fetched now if it was not:
+        from ``relays`` first)."""
         timeout = remote.timeout if timeout is None else timeout
         where = f"vLLM worker {self.worker_idx} on {self.host_label}"
         key = request_key(remote.token, f"version/{version}")
         if self.host is not None:
             local = self.host.staged(key, timeout)
             if local is None:  # not staged in the background: fetch it now
-                local = self.host.stage(_trainer(remote), remote.token, version, key, timeout)
+                local = self.host.stage(_trainer(remote), remote.token, version, key, timeout,
+                                        **_relaying(remote, relays))
         else:
             local = wait_staged(self.staging, key, timeout, where)
         receiver = self.receiver

@@ -83,7 +83,8 @@ class Forwarding:
 
     #: the trainer's digests, as they come (:meth:`VersionFetcher.fetch_digests`)
     digests: Future[list[str]] | None = None
-    started: Callable[[PackedVersion], None] | None = None
+    #: given the version under way and its trainer session, as its header arrives
+    started: Callable[[PackedVersion, str], None] | None = None
     #: from a relay: give up on it once it sends nothing for this long (None: the deadline)
     idle_s: float | None = None
 
@@ -105,6 +106,9 @@ class VersionFetcher:
         self.whole_refetches = 0  # versions fetched again whole after a delta failed here
         self._decoder: DeltaDecoder | None = None
         self._spare: torch.Tensor | None = None  # the buffer of the base before last
+        #: where this host's relay listens (told with each request: the trainer routes
+        #: other hosts to it), or None
+        self.relay_address: str | None = None
 
     def fetch(self, address: str, credential: str, want: int | None, timeout: float | None,
               commit: Callable[[PackedVersion], None] | None = None,
@@ -165,6 +169,19 @@ class VersionFetcher:
         return self._exchange(address, credential, f"{version} (its digests)", deadline,
                               deadline, ask)
 
+    def report(self, address: str, credential: str, version: int, source: str,
+               timeout: float | None) -> None:
+        """Tell the trainer this host staged ``version``, fetched from the relay at
+        ``source`` (its verdict, as a stream from the trainer ends with one)."""
+        deadline = Deadline(timeout)
+
+        def tell(sock: socket.socket, seal: Seal) -> None:
+            send_frame(sock, {"report": version, "source": source, "relay": self.relay_address},
+                       seal)
+            recv_frame(sock, seal=seal, deadline=deadline,
+                       what=f"host {self.name}: the trainer's answer to its report")
+        self._exchange(address, credential, f"{version} (its report)", deadline, deadline, tell)
+
     def _exchange(self, address: str, credential: str, asked: object, deadline: Deadline,
                   reads: Deadline, body: Callable[[socket.socket, Seal], T]) -> T:
         """Connect to ``address``, prove this host's ``credential``, run ``body`` on the
@@ -205,6 +222,8 @@ class VersionFetcher:
         held = None if base is None else {"session": self.base_session, "version": base.version,
                                           "fingerprint": base.fingerprint}
         request: dict[str, object] = {"want": want, "base": held}
+        if self.relay_address is not None:
+            request["relay"] = self.relay_address
         if whole is not None:
             request["whole"] = whole[:300]
         send_frame(sock, request, seal)
@@ -240,7 +259,7 @@ class VersionFetcher:
         packed = PackedVersion(version, entries, out, [0] * count, regions=regions,
                                shapes=shapes, metadata=metadata, _ready=0)
         if forwarding.started is not None:
-            forwarding.started(packed)
+            forwarding.started(packed, session)
         try:
             kinds = self._chunks(sock, seal, address, packed, base if based is not None else None,
                                  forwarding.digests, deadline)

@@ -58,6 +58,9 @@ class StreamFigures:
     whole_reason: str | None = None
     #: the id whose credential the host proved (e.g. ``server0``)
     peer_id: str = ""
+    #: where the host got the version: ``"trainer"`` (this stream), or the address of the
+    #: relay it fetched it from (a host's report: nothing of it crossed this link)
+    source: str = "trainer"
 
 
 #: what the listener hands a connection whose request is ``{"join": ...}`` (a worker's
@@ -98,6 +101,8 @@ class VersionPublisher:
         self._figures: dict[int, list[StreamFigures]] = {}
         self._streaming: dict[int, int] = {}  # version -> streams begun and not yet recorded
         self._connections: set[socket.socket] = set()
+        #: where each host's relay listens, by the id it proved (it says so when it asks)
+        self._relays: dict[str, str] = {}
         self._closed = False
         self._acceptor = AcceptLoop(
             lambda timeout: accept_ready(self._listener, timeout), self._accept,
@@ -227,8 +232,14 @@ class VersionPublisher:
                 conn.settimeout(None)  # a control connection lives as long as its worker
                 self._on_join(conn, seal, host, request)
                 return
+            peer_id = name.split(" ", 1)[0]
+            self._learn_relay(peer_id, request.get("relay"))
             if "digests" in request:
                 self._send_digests(conn, seal, request.get("digests"))
+                return
+            if "report" in request:
+                figures = self._report(host, peer_id, request)
+                send_frame(conn, {"ok": True}, seal)
                 return
             packed, base, whole = self._choose(request)
             if packed is None:
@@ -237,8 +248,7 @@ class VersionPublisher:
                 send_frame(conn, {"error": f"the trainer has no version {request.get('want')} "
                                            f"(its current version is {current})"}, seal)
                 return
-            figures = StreamFigures(host, packed.version, whole_reason=whole,
-                                    peer_id=name.split(" ", 1)[0])
+            figures = StreamFigures(host, packed.version, whole_reason=whole, peer_id=peer_id)
             if whole is not None:
                 logger.info("host %s gets version %d whole: %s", host, packed.version, whole)
             with self._cond:
@@ -272,6 +282,28 @@ class VersionPublisher:
                         self._streaming[figures.version] = left
                 self._cond.notify_all()
             conn.close()
+
+    def relay_of(self, peer_id: str) -> str | None:
+        """Where the host that proved ``peer_id``'s credential relays versions, if it said."""
+        with self._cond:
+            return self._relays.get(peer_id)
+
+    def _learn_relay(self, peer_id: str, address: object) -> None:
+        if isinstance(address, str) and len(address) <= 300:
+            with contextlib.suppress(ValueError):
+                split_address(address)
+                with self._cond:
+                    self._relays[peer_id] = address
+
+    def _report(self, host: str, peer_id: str, request: dict[str, Any]) -> StreamFigures | None:
+        """A host staged a version it fetched from a relay: its figures, as a stream's
+        (none of its bytes crossed this link; recorded when the handler ends)."""
+        version, source = request.get("report"), request.get("source")
+        if type(version) is not int or not isinstance(source, str):
+            return None
+        with self._cond:
+            self._streaming[version] = self._streaming.get(version, 0) + 1
+        return StreamFigures(host, version, peer_id=peer_id, source=source[:300])
 
     def _send_digests(self, conn: socket.socket, seal: Seal, version: object) -> None:
         """A host's request for the digests of ``version``'s chunks (it fetches the version

@@ -81,8 +81,6 @@ class NetReader:
     # ------------------------------------------------------------------ the lifecycle's calls
     def open(self, local: Layout | None, deadline: Deadline) -> None:
         self.link.open(deadline)
-        if self.relay is not None:
-            self.relay.serve_session(self.link.session)
         sent = Layout.from_dict(self.link.wait_layout(deadline))
         if local is not None:
             try:

@@ -14,6 +14,7 @@ after it one idle limit (:data:`IDLE_S`), not their deadline."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +23,7 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.transports.net.fetch import Forwarding, VersionFetcher
 from weightsync.transports.net.packed import PackedVersion
 from weightsync.transports.net.publisher import VersionPublisher
-from weightsync.transports.net.wire import join_address
+from weightsync.transports.net.wire import join_address, split_address
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,19 @@ def chain(hosts: Sequence[str], relays: Mapping[str, str]) -> dict[str, list[str
     return routes
 
 
+def local_address_toward(address: str) -> str:
+    """The address this host reaches ``address`` from (where its relay listens, so that
+    the hosts that reach the trainer reach it too); no packet is sent."""
+    host, port = split_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port or 9))
+        return str(probe.getsockname()[0])
+
+
 def relayed(sources: Sequence[str], version: int, fetcher: VersionFetcher, trainer: str,
-            credential: str, deadline: Deadline, offer: Callable[[PackedVersion], None] | None,
+            credential: str, deadline: Deadline,
+            offer: Callable[[PackedVersion, str], None] | None,
             *, relay_credential: str | None = None,
             commit: Callable[[PackedVersion], None] | None = None
             ) -> tuple[PackedVersion, str] | None:
@@ -82,17 +94,15 @@ class HostRelay:
         self.publisher = VersionPublisher(join_address(bind_host, 0), token, timeout=timeout,
                                           delta=delta, awaits=timeout)
 
-    def serve_session(self, session: str) -> None:
-        """Serve versions as the trainer session ``session``'s (so that a host's delta base
-        from the trainer is one here too); told once the trainer welcomed this worker."""
-        self.publisher.session = session
-
     @property
     def address(self) -> str:
         return self.publisher.address
 
-    def offer(self, packed: PackedVersion) -> None:
-        """``packed`` is on its way here (each chunk served once marked ready)."""
+    def offer(self, packed: PackedVersion, session: str) -> None:
+        """``packed``, of the trainer session ``session``, is on its way here: each chunk is
+        served once marked ready, under that session (a host's delta base from the
+        trainer is one here too)."""
+        self.publisher.session = session
         self.publisher.publish(packed)
 
     def forwarded_bytes(self, version: int) -> int:
