@@ -313,7 +313,8 @@ def second_server(hosts: TwoHostCluster, server: VLLMServer) -> Iterator[VLLMSer
 def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server: VLLMServer):
     """A stalled server makes ``send_weights`` raise within the engine's timeout, naming
     it, while the other server gets the version; restarted, it takes the next version whole
-    (it is initialised again) from the other server's host, which relays it."""
+    (it is initialised again) from the other server's host, which relays it; the relay
+    stalled, it alone is named and the other takes the version from the trainer."""
     trainer = vm.build_model()
     engine = _engine(trainer, [server, second_server], delta=True, timeout=30.0)
     try:
@@ -347,6 +348,23 @@ def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server:
         assert sources["server0"] == "trainer" and sources["server1"] != "trainer", last
         whole = 2 * sum(p.numel() for p in trainer.parameters())
         assert whole < last["wire_bytes"] < 1.5 * whole, last
+        # the relay stalls: it alone is named, and the second server's host takes the
+        # version from the trainer once the relay sent nothing for a while
+        server.kill(signal.SIGSTOP)
+        vm.perturb(trainer, 4)
+        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {server.url}"):
+            engine.send_weights()
+        assert engine.stats()["last"]["fetched_from"]["server1"] == "trainer"
+        assert greedy(second_server) == _bf16_greedy(trainer)
+        # restarted, not resumed: a resumed server would run the calls the engine left
+        # behind on it, late, beside the next update's
+        server.kill(signal.SIGKILL)
+        server.stop()
+        server.start().wait_ready()
+        vm.perturb(trainer, 5)
+        engine.send_weights()  # the first server is initialised again
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        assert not server.is_paused()
     finally:
         engine.shutdown()
 

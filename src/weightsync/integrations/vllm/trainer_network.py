@@ -106,9 +106,11 @@ class NetworkMode:
 
     def _init_info(self, index: int) -> dict[str, Any]:
         assert self.publisher is not None
+        # one server relays to none: its host keeps no relay (nor its versions for one)
+        relaying = len(self.servers.clients) > 1 and self.adapter is None
         return {**server_init_info(self.publisher.address, self.token, index,
                                    self.config.send.timeout),
-                "pool": self.pool, "delta": self.config.delta}
+                "pool": self.pool if relaying else "", "delta": self.config.delta}
 
     def _relays(self, index: int) -> list[str]:
         """Whom server ``index``'s host fetches a version from before the trainer: the

@@ -327,17 +327,19 @@ class VersionFetcher:
             except IntegrityError as exc:
                 raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
                                    str(exc)) from None
-            if chunk_checksum(target) != checksum:
+            if trainers is not None:  # from a relay: the digest, which the checksum adds nothing to
+                if digests is None:
+                    digests = self._digests(trainers, version, chunk_count(nbytes), deadline)
+                if chunk_digest(target) != digests[index]:
+                    raise self._refuse(sock, seal, IntegrityError,
+                                       f"{where} from {address} differs from the trainer's "
+                                       "digest (the peer that forwarded it changed or damaged "
+                                       "it); the version is refused and this host keeps the "
+                                       "one it held")
+            elif chunk_checksum(target) != checksum:
                 raise self._refuse(sock, seal, IntegrityError if kind == WHOLE else _BadDelta,
                                    f"{where} differs from the trainer's checksum; the version "
                                    "is refused and this host keeps the one it held")
-            if trainers is not None and digests is None:
-                digests = self._digests(trainers, version, chunk_count(nbytes), deadline)
-            if digests is not None and chunk_digest(target) != digests[index]:
-                raise self._refuse(sock, seal, IntegrityError,
-                                   f"{where} from {address} differs from the trainer's digest "
-                                   "(the peer that forwarded it changed or damaged it); the "
-                                   "version is refused and this host keeps the one it held")
             packed.checksums[index] = checksum
             packed.mark_ready(index + 1)
         return kinds
