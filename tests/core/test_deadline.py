@@ -65,3 +65,13 @@ def test_a_polling_loop_on_it_ends_within_one_slice_of_a_cancel_from_another_thr
     while not deadline.expired():
         time.sleep(deadline.slice(0.1))
     assert time.monotonic() - t0 < 1.5
+
+
+def test_idle_limited_caps_each_wait_not_the_deadline():
+    deadline = Deadline(30)
+    idle = deadline.idle_limited(2.0)
+    assert idle.remaining() == 2.0 and not idle.expired()  # each wait: at most 2 s
+    assert 1.0 < Deadline(1.5).idle_limited(2.0).remaining() <= 1.5  # never past the deadline
+    assert Deadline(None).idle_limited(2.0).remaining() == 2.0
+    deadline.cancel()
+    assert idle.expired() and idle.remaining() == 0.0  # cancelled with it
