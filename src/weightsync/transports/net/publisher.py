@@ -195,6 +195,7 @@ class VersionPublisher:
         with self._cond:
             self._closed = True
             connections = list(self._connections)
+            self._cond.notify_all()  # a relay's stream awaiting a version ends now
         self._acceptor.stop(timeout=5, wake=lambda: self._listener.shutdown(socket.SHUT_RDWR))
         self._listener.close()
         for conn in connections:
