@@ -4,14 +4,17 @@ and the model steps and checksums the tests compare."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +24,18 @@ import weightsync as ws
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 Reports = dict[int, list[list]]
+
+
+@contextlib.contextmanager
+def report_dir(prefix: str) -> Iterator[Path]:
+    """A folder the hosts' workers report into (under /var/tmp: each host has a /tmp of
+    its own); its ``stop`` file ends them, and it is removed after."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    try:
+        yield path
+    finally:
+        (path / "stop").touch()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class HostWorkers:

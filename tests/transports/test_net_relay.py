@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from net_host_workers import make_model
-from net_hosts import HostWorkers, bf16_checksum, checksums_of, holds, reports, step, wait_reports
+from net_hosts import HostWorkers, bf16_checksum, checksums_of, holds, report_dir, reports, step, wait_reports
 
 import weightsync as ws
 from weightsync.bench.pool_network import TRAINER_ADDRESS, HostPool, host_pool
@@ -45,10 +44,8 @@ def pool() -> Iterator[HostPool]:
 
 @pytest.fixture
 def out_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ws-net-relay-", dir="/var/tmp"))
-    yield path
-    (path / "stop").touch()
-    shutil.rmtree(path, ignore_errors=True)
+    with report_dir("ws-net-relay-") as path:
+        yield path
 
 
 @contextlib.contextmanager

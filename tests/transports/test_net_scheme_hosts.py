@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from net_hosts import (
     bf16_checksum,
     checksums_of,
     holds,
+    report_dir,
     reports,
     step,
     wait_reports,
@@ -44,10 +44,8 @@ def hosts() -> Iterator[TwoHostCluster]:
 
 @pytest.fixture
 def out_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ws-net-hosts-", dir="/var/tmp"))
-    yield path
-    (path / "stop").touch()
-    shutil.rmtree(path, ignore_errors=True)
+    with report_dir("ws-net-hosts-") as path:
+        yield path
 
 
 def test_two_hosts_three_workers_bf16_deltas_and_a_killed_worker(hosts, out_dir):
