@@ -82,19 +82,21 @@ def test_ctrl_c_in_training_is_a_request_then_a_second_one_interrupts():
 
     from weightsync.demo.collectors import StopRequest
 
-    before = signal.getsignal(signal.SIGINT)
-    stop = StopRequest()
-    with stop.armed():
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)  # the handler runs at the next bytecode: no exception here
-        assert stop.requested
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-    assert signal.getsignal(signal.SIGINT) is before
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup: left ignored
+    # Ctrl-C as a terminal's foreground job has it: this process may have inherited an
+    # ignored SIGINT (a shell's background job does), under which armed() leaves it alone
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        stop = StopRequest()
+        with stop.armed():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs at the next bytecode: no exception here
+            assert stop.requested
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup: left ignored
         with StopRequest().armed():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, inherited)
