@@ -62,6 +62,25 @@ def setns(path: str | int) -> None:
             os.close(fd)
 
 
+class HomeNamespace:
+    """The network namespace the calling thread came from: :meth:`enter` moves it (and the
+    threads it starts from then on) into a named one, :meth:`leave` brings it back."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+
+    def enter(self, ns: str) -> None:
+        if self._fd < 0:
+            self._fd = os.open("/proc/self/ns/net", os.O_RDONLY)
+        setns(f"/run/netns/{ns}")
+
+    def leave(self) -> None:
+        if self._fd >= 0:
+            setns(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
 def unavailable_reason() -> str | None:
     """Why a two-host cluster cannot be built here (None if it can)."""
     if os.geteuid() != 0:
@@ -89,7 +108,7 @@ class TwoHostCluster:
     temp_dir: str = ""
     node_a: str = ""  # Ray node ids
     node_b: str = ""
-    _home_ns: int = -1
+    _home: HomeNamespace = field(default_factory=HomeNamespace, repr=False)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
 
     @property
@@ -128,15 +147,10 @@ class TwoHostCluster:
     def enter(self, host: str = "a") -> None:
         """Move this process's calling thread (and the threads it starts from now on) onto
         host ``"a"`` or ``"b"``; ``leave`` comes back."""
-        if self._home_ns < 0:
-            self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        setns(f"/run/netns/{self.ns_a if host == 'a' else self.ns_b}")
+        self._home.enter(self.ns_a if host == "a" else self.ns_b)
 
     def leave(self) -> None:
-        if self._home_ns >= 0:
-            setns(self._home_ns)
-            os.close(self._home_ns)
-            self._home_ns = -1
+        self._home.leave()
 
     def _network_up(self) -> None:
         a, b = self.ns_a, self.ns_b
@@ -157,8 +171,8 @@ class TwoHostCluster:
         datacenter link instead of the memory-speed veth. ``unshape_link`` removes it."""
         burst = link_burst_bytes(rate)
         for ns, dev in ((self.ns_a, self.veth_a), (self.ns_b, self.veth_b)):
-            run_command("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                 "burst", str(burst), "latency", "100ms")
+            run_command("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                        rate, "burst", str(burst), "latency", "100ms")
 
     def unshape_link(self) -> None:
         """Remove what ``shape_link`` added (nothing if it was never shaped)."""
@@ -218,8 +232,7 @@ class TwoHostCluster:
         self._saved_env = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
         os.environ.update({"RAY_AUTH_MODE": "token", **self._token_env()})  # as the nodes run
         _refresh_ray_config()
-        self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        setns(f"/run/netns/{self.ns_a}")  # the driver lives on host A
+        self._home.enter(self.ns_a)  # the driver lives on host A
         ray.init(address=self.address, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": self._python_path()}})
         deadline = time.monotonic() + 60

@@ -13,7 +13,7 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from weightsync.bench.multihost import link_burst_bytes, run_command, setns
+from weightsync.bench.multihost import HomeNamespace, link_burst_bytes, run_command
 
 SUBNET = "10.214.0"
 TRAINER_ADDRESS = f"{SUBNET}.1"
@@ -25,7 +25,7 @@ class HostPool:
 
     hosts: int
     tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
-    _home_ns: int = -1
+    _home: HomeNamespace = field(default_factory=HomeNamespace, repr=False)
 
     @property
     def switch(self) -> str:
@@ -67,20 +67,15 @@ class HostPool:
         ns, port, _ = self._nodes()[0]
         burst = str(link_burst_bytes(rate))
         for where, dev in ((ns, "eth0"), (self.switch, port)):
-            run_command("tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                 "burst", burst, "latency", "100ms")
+            run_command("tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf",
+                        "rate", rate, "burst", burst, "latency", "100ms")
 
     def enter_trainer(self) -> None:
         """Move the calling thread (and the threads it starts from now on) onto the trainer."""
-        if self._home_ns < 0:
-            self._home_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        setns(f"/run/netns/{self.trainer_ns}")
+        self._home.enter(self.trainer_ns)
 
     def leave(self) -> None:
-        if self._home_ns >= 0:
-            setns(self._home_ns)
-            os.close(self._home_ns)
-            self._home_ns = -1
+        self._home.leave()
 
     def pids(self, ns: str) -> list[int]:
         found = run_command("ip", "netns", "pids", ns, check=False).stdout.split()

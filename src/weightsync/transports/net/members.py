@@ -132,7 +132,7 @@ class NetMembers:
                               self._relay, self._host):
                     table.pop(idx, None)
                 self._goodbyes.discard(idx)
-                self._record_route(idx, request)
+                self._record_relay(idx, request)
                 current = self._current
                 route = self._join_route(idx) if current is not None else {}
                 self.cond.notify_all()
@@ -161,7 +161,7 @@ class NetMembers:
                 version = message.get(name)
                 if type(version) is int:
                     table[idx] = max(table.get(idx, NO_VERSION), version)
-            self._record_route(idx, message)
+            self._record_source(idx, message)
             if type(message.get("failed")) is int:
                 self._failed[idx] = (message["failed"], str(message.get("error"))[:2000],
                                      str(message.get("round", ""))[:64])
@@ -174,9 +174,9 @@ class NetMembers:
                 return False
         return True
 
-    def _record_route(self, idx: int, message: dict[str, Any]) -> None:
-        """A worker's relay and host, and where its host fetched a version it staged."""
-        relay, host = message.get("relay"), message.get("host")
+    def _record_relay(self, idx: int, join: dict[str, Any]) -> None:
+        """Where a joining worker's relay listens, and its host (its join says both)."""
+        relay, host = join.get("relay"), join.get("host")
         if isinstance(relay, str) and isinstance(host, str) and 0 < len(host) <= 64:
             try:
                 split_address(relay)
@@ -185,18 +185,26 @@ class NetMembers:
             self._relay[idx], self._host[idx] = relay, host
             if host not in self._host_order:
                 self._host_order.append(host)
-        came, staged = message.get("from"), message.get("staged")
-        if isinstance(came, str) and type(staged) is int and idx in self._host:
-            hosts = {address: self._host.get(w, "?") for w, address in self._relay.items()}
-            self._came.setdefault(staged, {})[self._host[idx]] = \
-                came if came == "trainer" else hosts.get(came, came[:100])
-            for old in [v for v in self._came if v < staged - 8]:
-                del self._came[old]
 
-    def host_count(self) -> int:
-        """How many hosts the connected workers are on (as far as they said)."""
-        with self.cond:
-            return len({self._host[w] for w in self._connections if w in self._host})
+    def _record_source(self, idx: int, message: dict[str, Any]) -> None:
+        """Where a worker's host fetched the version it says it staged (``from``)."""
+        came, staged = message.get("from"), message.get("staged")
+        if not isinstance(came, str) or type(staged) is not int or idx not in self._host:
+            return
+        if came != "trainer":  # a relay's address: named by its host
+            came = next((self._host[w] for w, a in self._relay.items() if a == came), came[:100])
+        self._came.setdefault(staged, {})[self._host[idx]] = came
+        for old in [v for v in self._came if v < staged - 8]:
+            del self._came[old]
+
+    def _leads(self, workers: list[int]) -> dict[str, int]:
+        """Per host, the first of ``workers`` on it that has a relay: the one that fetches
+        for its host and serves the hosts after it."""
+        leads: dict[str, int] = {}
+        for w in sorted(workers):
+            if w in self._host and w in self._relay:
+                leads.setdefault(self._host[w], w)
+        return leads
 
     def came_from(self, version: int) -> dict[str, dict[str, Any]]:
         """Per host (its id) that fetched ``version``: its connected ``workers`` and
@@ -214,9 +222,7 @@ class NetMembers:
             if self._current is None or "ranks" in self._current[2]:
                 return {}  # a sharded trainer's: each host fetches every rank's part
             live = [w for w in sorted(targets) if w in self._connections and w in self._host]
-            leads: dict[str, int] = {}
-            for w in live:
-                leads.setdefault(self._host[w], w)
+            leads = self._leads(live)
             hosts = [h for h in self._host_order if h in leads]
             if len(hosts) < 2:
                 return {}
@@ -231,11 +237,9 @@ class NetMembers:
         if host is None or self._current is None or "ranks" in self._current[2]:
             return {}
         version = self._current[0]
-        leads: dict[str, int] = {}
-        for w in sorted(self._connections):
-            if w in self._host and w in self._relay and self._host[w] != host and max(
-                    self._staged.get(w, NO_VERSION), self._applied.get(w, NO_VERSION)) >= version:
-                leads.setdefault(self._host[w], w)
+        holding = [w for w in self._connections if self._host.get(w) not in (None, host) and max(
+            self._staged.get(w, NO_VERSION), self._applied.get(w, NO_VERSION)) >= version]
+        leads = self._leads(holding)
         order = self._host_order
         mine = order.index(host)
         nearest = sorted(leads, key=lambda h: (order.index(h) > mine,
