@@ -14,7 +14,7 @@ from weightsync.core.errors import IntegrityError, SenderLostError, WeightSyncEr
 from weightsync.transports.local.auth import HandshakeError
 from weightsync.transports.net.fetch import VersionFetcher
 from weightsync.transports.net.handshake import host_credential
-from weightsync.transports.net.packed import pack
+from weightsync.transports.net.packed import chunk_digest, pack
 from weightsync.transports.net.publisher import VersionPublisher
 from weightsync.transports.net.wire import CHUNK_BYTES
 
@@ -206,3 +206,23 @@ def test_a_version_streams_while_the_trainer_packs_it(publisher: VersionPublishe
         fetcher.fetch(publisher.address, CRED, version, 10)
         if version == 3:  # version 0 retired when 2 was published: its buffer came back
             assert spare is not None and spare.data_ptr() == packed.buffer.data_ptr()
+
+
+def test_the_trainers_digests_name_their_hash_and_match_each_chunk(publisher: VersionPublisher):
+    packed = pack(_weights(), 1, torch.bfloat16)
+    publisher.publish(packed)
+    digests = VersionFetcher("host-b").fetch_digests(publisher.address, CRED, 1, timeout=10)
+    assert digests == [chunk_digest(packed.chunk(i)) for i in range(2)]
+    assert len(set(digests)) == 2 and all(len(d) == 32 for d in digests)
+
+
+def test_a_host_refuses_digests_of_a_hash_it_does_not_check(
+        publisher: VersionPublisher, monkeypatch: pytest.MonkeyPatch):
+    """A trainer of another release (another hash) is named as such: otherwise every
+    relayed chunk would be refused as forged."""
+    import weightsync.transports.net.publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "DIGEST", "sha256-128")
+    publisher.publish(pack(_weights(), 1, torch.bfloat16))
+    with pytest.raises(WeightSyncError, match="hashes chunks with 'sha256-128'.*same weightsync"):
+        VersionFetcher("host-b").fetch_digests(publisher.address, CRED, 1, timeout=10)

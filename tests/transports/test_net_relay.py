@@ -1,9 +1,10 @@
-"""``NetWeightSyncScheme`` over a pool of hosts (``bench.pool_network``): four worker hosts
-and the trainer on one switch, each host a network namespace with a private /dev/shm and
-/tmp, the trainer behind a 250 Mb/s uplink. Each version must cross the trainer's link
-about once (hosts relay it), exactly, and a relay that dies or stalls mid-version must be
-named alone while every other host gets the version from elsewhere. On the code before
-relays, every host fetched from the trainer: four versions' bytes per send."""
+"""``NetWeightSyncScheme`` over a pool of hosts (``bench.pool_network``): six worker
+hosts (four in the failure tests) and the trainer on one switch, each host a network
+namespace with a private /dev/shm and /tmp, the trainer behind a 250 Mb/s uplink. Each
+version must cross the trainer's link about once (hosts relay it, along a chain or a
+tree), exactly, and a relay that dies or stalls mid-version must be named alone while
+every other host gets the version from elsewhere. On the code before relays, every host
+fetched from the trainer: a version's bytes per host per send."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from net_hosts import HostWorkers, bf16_checksum, checksums_of, holds, report_di
 
 import weightsync as ws
 from weightsync.bench.pool_network import TRAINER_ADDRESS, HostPool, host_pool
+from weightsync.transports.net import relay
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
 
-HOSTS = 4
+POOL_HOSTS = 6  # the exact test's
+HOSTS = 4  # the failure tests
 WIDTH = 2896  # about 17 MB in bf16: three chunks, 0.5 s over the trainer's 250 Mb/s
 ENV = {"WS_NET_WIDTH": str(WIDTH)}
 
@@ -36,7 +39,7 @@ ENV = {"WS_NET_WIDTH": str(WIDTH)}
 def pool() -> Iterator[HostPool]:
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare", "mount")):
         pytest.skip("a pool of hosts needs root and the ip, tc, unshare and mount commands")
-    with host_pool(HOSTS) as made:
+    with host_pool(POOL_HOSTS) as made:
         made.shape_uplink("250mbit")
         made.enter_trainer()
         yield made
@@ -80,10 +83,14 @@ def relayed(last: dict[str, Any]) -> dict[int, str]:
             for seen in last["fetched_from"].values() if seen["workers"]}
 
 
-def test_each_version_crosses_the_trainers_link_about_once_exactly(pool, out_dir):
-    everyone = list(range(HOSTS))
-    with pool_session(pool, out_dir, delta=True) as (sender, model, _):
-        for seed in (1, 2, 3):
+def test_each_version_crosses_the_trainers_link_about_once_exactly(pool, out_dir, monkeypatch):
+    """Six hosts, full versions then deltas, along a chain (what a 3-chunk version gets)
+    and then along a tree of fan-out 2 (what many hosts and a small version get)."""
+    everyone = list(range(POOL_HOSTS))
+    with pool_session(pool, out_dir, hosts=POOL_HOSTS, delta=True) as (sender, model, _):
+        for seed in (1, 2, 3, 4):
+            if seed == 3:
+                monkeypatch.setattr(relay, "FAN_OUTS", (2,))
             step(model, seed)
             version = sender.send(timeout=60)
             last = sender.stats()["last"]
@@ -96,6 +103,9 @@ def test_each_version_crosses_the_trainers_link_about_once_exactly(pool, out_dir
             assert list(sources.values()).count("trainer") == 1, sources
             if seed > 1:  # every host held the version before: deltas, hop by hop too
                 assert last["delta_chunks"] >= 1, last
+            fed = [s for s in sources.values() if s != "trainer"]
+            # a chain: each relay feeds one host; a tree: a relay feeds two
+            assert max(fed.count(s) for s in fed) == (1 if seed < 3 else 2), sources
 
 
 def _relay_and_below(sender: ws.WeightSender) -> tuple[int, list[int]]:

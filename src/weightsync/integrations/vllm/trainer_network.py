@@ -18,9 +18,9 @@ from weightsync.integrations.vllm.trainer_adapter import ServedAdapter, round_we
 from weightsync.integrations.vllm.trainer_config import NetworkConfig
 from weightsync.integrations.vllm.trainer_servers import Servers
 from weightsync.transports.net.handshake import host_credential
-from weightsync.transports.net.packed import PackedVersion, plan
+from weightsync.transports.net.packed import PackedVersion, chunk_count, plan
 from weightsync.transports.net.publisher import VersionPublisher
-from weightsync.transports.net.relay import chain
+from weightsync.transports.net.relay import routes
 
 
 def server_init_info(address: str, token: str, index: int, timeout: float) -> dict[str, Any]:
@@ -93,7 +93,7 @@ class NetworkMode:
 
         def update(index: int, client: Any) -> None:
             servers = self.servers
-            relays = self._relays(index)
+            relays = self._relays(index, packed.nbytes)
             if servers.in_flight(client):
                 assert self.publisher is not None
                 servers.bring_in_flight(index, client, version, self.publisher, self._init_info,
@@ -112,17 +112,19 @@ class NetworkMode:
                                    self.config.send.timeout),
                 "pool": self.pool if relaying else "", "delta": self.config.delta}
 
-    def _relays(self, index: int) -> list[str]:
+    def _relays(self, index: int, nbytes: int) -> list[str]:
         """Whom server ``index``'s host fetches a version from before the trainer: the
-        relays of the servers before it, nearest first (:func:`~weightsync.transports.net.
-        relay.chain`; a server's relay is known once it fetched once). None in adapter mode
+        relays of the servers above it for a version of ``nbytes`` bytes, nearest first
+        (:func:`~weightsync.transports.net.relay.routes`; a server's relay is known once it
+        fetched once). None in adapter mode
         (an adapter is small: each server's host fetches it from the trainer)."""
         assert self.publisher is not None
         if self.adapter is not None:
             return []
         names = [f"server{i}" for i in range(len(self.servers.clients))]
         known = {name: self.publisher.relay_of(name) for name in names}
-        return chain(names, {n: a for n, a in known.items() if a is not None})[names[index]]
+        return routes(names, {n: a for n, a in known.items() if a is not None},
+                      chunk_count(nbytes))[names[index]].sources
 
     def _init_server(self, index: int, client: Any) -> None:
         """Have a server's host fetch the current version and every rank load it (a new or

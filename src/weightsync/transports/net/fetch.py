@@ -27,6 +27,7 @@ from weightsync.core.errors import (
 from weightsync.transports.delta.codec import KIND_NAMES, WHOLE, DeltaDecoder, header_problem
 from weightsync.transports.net.handshake import prove_to_trainer
 from weightsync.transports.net.packed import (
+    DIGEST,
     PackedVersion,
     chunk_count,
     chunk_digest,
@@ -161,6 +162,11 @@ class VersionFetcher:
             reply = recv_frame(sock, seal=seal, deadline=deadline,
                                what=f"host {self.name}: the digests from {address}")
             digests = reply.get("digests")
+            if "digests" in reply and reply.get("hash") != DIGEST:
+                raise WeightSyncError(
+                    f"host {self.name}: the trainer at {address} hashes chunks with "
+                    f"{reply.get('hash', 'sha256-128')!r:.40}, this host checks {DIGEST!r}: run "
+                    "the same weightsync release on the trainer and every host")
             if not isinstance(digests, list) or not all(
                     isinstance(d, str) and len(d) == 32 for d in digests):
                 raise WeightSyncError(f"host {self.name}: the trainer at {address} gave no "

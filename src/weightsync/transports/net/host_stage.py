@@ -33,6 +33,7 @@ from weightsync.core.errors import (
     UnsafeDirectoryError,
     WeightSyncTimeoutError,
 )
+from weightsync.transports.net.mapped_file import fresh_or_spare, map_locked, retire
 from weightsync.transports.net.packed import PackedVersion, parse_header
 from weightsync.transports.net.wire import ProtocolError
 
@@ -165,9 +166,7 @@ class HostStage:
         except ProtocolError as exc:
             raise UnsafeDirectoryError(f"{self.directory}: the header of version {version} is "
                                        f"damaged ({exc})") from None
-        data = self.directory / f"v{version}.bin"
-        buffer = torch.from_file(str(data), shared=False, size=nbytes, dtype=torch.uint8) \
-            if nbytes else torch.empty(0, dtype=torch.uint8)
+        buffer = map_locked(self.directory / f"v{version}.bin", nbytes, write=False)
         return PackedVersion(number, entries, buffer), session
 
     @contextlib.contextmanager
@@ -205,17 +204,9 @@ class HostStage:
             if newest >= 0:
                 with contextlib.suppress(FileNotFoundError, UnsafeDirectoryError):
                     base = self._open(newest)
-            incoming = self.directory / "incoming.bin"
-
-            def allocate(nbytes: int) -> torch.Tensor:
-                fd = os.open(incoming, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.ftruncate(fd, nbytes)
-                finally:
-                    os.close(fd)
-                return torch.from_file(str(incoming), shared=True, size=nbytes, dtype=torch.uint8)
-
-            packed, session = fetch(base, allocate)
+            incoming, spare = self.directory / "incoming.bin", self.directory / "spare.bin"
+            packed, session = fetch(base, lambda n: fresh_or_spare(incoming, spare, n))
+            del base  # its mapping (and its lock) with it
             os.replace(incoming, self.directory / f"v{packed.version}.bin")
             header = self.directory / f"v{packed.version}.json.tmp"
             fd = os.open(header, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -223,9 +214,9 @@ class HostStage:
                 json.dump(packed.header(session), f)
             os.replace(header, self.directory / f"v{packed.version}.json")  # the commit
             for old in self._versions()[:-KEEP]:
-                for suffix in (".json", ".bin"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.directory / f"v{old}{suffix}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / f"v{old}.json")  # no worker finds it now
+                retire(self.directory / f"v{old}.bin", spare)
             return packed.version
 
     def _staged_in(self, version: int, round_: str) -> bool:

@@ -30,7 +30,8 @@ from weightsync.core.errors import (
     WorkerLostError,
 )
 from weightsync.core.versions import NO_VERSION
-from weightsync.transports.net.relay import UPSTREAM, chain
+from weightsync.transports.net.packed import chunk_count
+from weightsync.transports.net.relay import UPSTREAM, routes
 from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import ProtocolError, recv_frame, send_frame, split_address
 
@@ -92,6 +93,7 @@ class NetMembers:
         self._came: dict[int, dict[str, str]] = {}  # version -> host -> where it fetched it
         #: (version, layout, what else its notice carries)
         self._current: tuple[int, dict[str, Any], dict[str, Any]] | None = None
+        self._current_nbytes = 0  # the current version's bytes on the wire
         self._closed = False
 
     # ------------------------------------------------------------------ the listener's side
@@ -216,7 +218,7 @@ class NetMembers:
 
     def routes(self, targets: list[int]) -> dict[int, dict[str, Any]]:
         """What each target's notice adds when its host is one of several: whom its host
-        fetches from (the hosts before it, nearest first: :func:`~.relay.chain`), whether
+        fetches from (the hosts above it, nearest first: :func:`~.relay.routes`), whether
         it is the worker that fetches for its host, and whether hosts fetch from it."""
         with self.cond:
             if self._current is None or "ranks" in self._current[2]:
@@ -226,9 +228,11 @@ class NetMembers:
             hosts = [h for h in self._host_order if h in leads]
             if len(hosts) < 2:
                 return {}
-            sources = chain(hosts, {h: self._relay[w] for h, w in leads.items()})
-            return {w: {"sources": sources[self._host[w]], "lead": leads[self._host[w]] == w,
-                        "feeds": self._host[w] != hosts[-1]} for w in live}
+            planned = routes(hosts, {h: self._relay[w] for h, w in leads.items()},
+                             chunk_count(self._current_nbytes))
+            return {w: {"sources": planned[self._host[w]].sources,
+                        "lead": leads[self._host[w]] == w,
+                        "feeds": planned[self._host[w]].feeds} for w in live}
 
     def _join_route(self, idx: int) -> dict[str, Any]:
         """A joining worker's route to the current version: the hosts that hold it,
@@ -263,11 +267,13 @@ class NetMembers:
 
     # ------------------------------------------------------------------ the sender's side
     def published(self, version: int, layout: dict[str, Any],
-                  extra: dict[str, Any] | None = None) -> None:
-        """``version`` (of ``layout``, as the workers receive it) is the current one;
-        ``extra``: what else its notice tells (a sharded trainer's ranks and round)."""
+                  extra: dict[str, Any] | None = None, nbytes: int = 0) -> None:
+        """``version`` (of ``layout``, as the workers receive it; ``nbytes`` on the wire,
+        which the relays' topology depends on) is the current one; ``extra``: what else its
+        notice tells (a sharded trainer's ranks and round)."""
         with self.cond:
             self._current = (version, layout, dict(extra or {}))
+            self._current_nbytes = nbytes
 
     def reachable(self, targets: list[int]) -> tuple[list[int], Losses]:
         with self.cond:

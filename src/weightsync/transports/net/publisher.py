@@ -27,7 +27,7 @@ from weightsync.transports.local.accept import (
     accept_ready,
 )
 from weightsync.transports.net.handshake import HandshakeError, accept_peer
-from weightsync.transports.net.packed import PackedVersion, chunk_count
+from weightsync.transports.net.packed import DIGEST, PackedVersion, chunk_count
 from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import (
     CHUNK_HEADER,
@@ -316,7 +316,7 @@ class VersionPublisher:
             send_frame(conn, {"error": f"the trainer has no version {version!r:.20} (its "
                                        "current and previous ones only)"}, seal)
             return
-        send_frame(conn, {"digests": found[0].chunk_digests(self.timeout)}, seal)
+        send_frame(conn, {"digests": found[0].chunk_digests(self.timeout), "hash": DIGEST}, seal)
 
     def _choose(self, request: dict[str, Any]
                 ) -> tuple[PackedVersion | None, PackedVersion | None, str | None]:

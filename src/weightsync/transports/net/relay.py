@@ -5,7 +5,8 @@ Each worker runs a relay: a listener (:class:`~.publisher.VersionPublisher`, on 
 its host reaches the trainer from) that serves the versions this worker fetches for its
 host, each chunk as soon as it arrived and was checked, as whole chunks or as a delta
 against the version the asking host holds. The trainer tells each host whom to fetch from
-(:func:`chain`: the hosts before it, nearest first, then the trainer itself); the host asks
+(:func:`routes`: the hosts above it in a chain, or a tree for many hosts and a small
+version, nearest first, then the trainer itself); the host asks
 the trainer, over its own sealed connection, for a digest of every chunk (:meth:`~.packed.
 PackedVersion.chunk_digests`), and refuses a chunk that a relay changed or damaged, then
 fetches from the next source (:func:`relayed`). A relay that dies or stalls costs the hosts
@@ -17,6 +18,7 @@ import logging
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import WeightSyncError
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: how many hosts before it a host may fetch from (nearest first) before the trainer
 UPSTREAM = 3
+#: the fan-outs :func:`fan_out` chooses from (1: a chain)
+FAN_OUTS = (1, 2, 3, 4)
 #: the longest a host waits for the next byte from a relay before it asks the next source
 IDLE_S = 5.0
 #: how long a host's other workers leave the fetch to its lead (the worker whose relay
@@ -36,15 +40,55 @@ IDLE_S = 5.0
 LEAD_GRACE_S = 10.0
 
 
-def chain(hosts: Sequence[str], relays: Mapping[str, str]) -> dict[str, list[str]]:
-    """Whom each host fetches from: ``hosts`` in order (the first fetches from the trainer),
-    each from the relays (``relays``: host -> its lead's address) of the ``UPSTREAM``
-    hosts before it, nearest first; the trainer is every host's last source."""
-    routes: dict[str, list[str]] = {}
+@dataclass(frozen=True)
+class Route:
+    """One host's part in delivering a version."""
+
+    #: the relays it fetches from, nearest first (the trainer is its last source)
+    sources: list[str]
+    #: hosts fetch from this one
+    feeds: bool
+
+
+def fan_out(hosts: int, chunks: int) -> int:
+    """How many hosts each relay feeds (1: a chain) for the last of ``hosts`` to hold a
+    version of ``chunks`` chunks soonest, counted in chunk-times at one link's rate. A
+    relay that feeds k hosts sends each chunk k times, and each level below the first adds
+    k chunk-times before the first chunk gets there: a chain (``chunks + hosts - 1``) wins
+    while the hosts are fewer than about the chunks, a tree for many hosts and a small
+    version (e.g. 64 hosts, 7 chunks: a chain 70, fan-out 2 26)."""
+    def cost(k: int) -> int:
+        return chunks + hosts - 1 if k == 1 else k * (chunks + _levels(hosts, k) - 1)
+    return min(FAN_OUTS, key=lambda k: (cost(k), k))
+
+
+def _parent(position: int, k: int) -> int:
+    return (position - 1) // k
+
+
+def _levels(hosts: int, k: int) -> int:
+    """The levels of a tree of ``hosts`` hosts where each feeds ``k``."""
+    levels, position = 1, hosts - 1
+    while position > 0:
+        position, levels = _parent(position, k), levels + 1
+    return levels
+
+
+def routes(hosts: Sequence[str], relays: Mapping[str, str], chunks: int) -> dict[str, Route]:
+    """Each host's route for a version of ``chunks`` chunks: ``hosts`` in order (the first
+    fetches from the trainer) as a chain or a tree (:func:`fan_out`), each host fetching
+    from the relays (``relays``: host -> its lead's address) of up to ``UPSTREAM`` hosts
+    above it, nearest first; the trainer is every host's last source."""
+    k = fan_out(len(hosts), chunks)
+    out = {}
     for position, host in enumerate(hosts):
-        before = [relays[h] for h in reversed(hosts[:position]) if h in relays]
-        routes[host] = before[:UPSTREAM]
-    return routes
+        above, at = [], position
+        while at > 0:
+            at = _parent(at, k)
+            above.append(hosts[at])
+        out[host] = Route([relays[h] for h in above if h in relays][:UPSTREAM],
+                          feeds=position * k + 1 < len(hosts))
+    return out
 
 
 def local_address_toward(address: str) -> str:

@@ -5,8 +5,9 @@ workers' control connections (:class:`~.members.NetMembers`) and their hosts' fe
 version is packed once (cast to the wire dtype, checksummed per chunk) and each worker is
 told of it; each host fetches it once, as whole chunks or as a delta against the version
 it holds, and a send is delivered once every worker's host staged it. With several hosts,
-the version leaves the trainer about once: hosts forward it along a chain (:mod:`.relay`),
-each chunk checked against the digests the trainer tells each host over its own connection.
+the version leaves the trainer about once: hosts forward it along a chain, or a tree
+(:mod:`.relay`), each chunk checked against the digests the trainer tells each host over
+its own connection.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class NetWriter:
         packed.fill(weights)
         with self.members.joining:
             self.publisher.publish(packed)
-            self.members.published(version, layout.with_dtype(self.dtype).to_dict())
+            self.members.published(version, layout.with_dtype(self.dtype).to_dict(),
+                                   nbytes=packed.nbytes)
             return self.members.reachable(requested)[1]
 
     def deliver(self, targets: list[int], version: int, deadline: Deadline) -> Losses:
