@@ -10,6 +10,7 @@ weightsync error. Every process ends by ``OUT_DIR/stop`` or after two minutes.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -82,6 +83,10 @@ def forge_relayed_chunks() -> None:
 
 def main() -> None:
     path, out_dir, *indices = sys.argv[1:]
+    # what each worker's stager did goes to its host's log (net_hosts.host_logs)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(threadName)s %(name)s: %(message)s")
+    logging.getLogger("weightsync.transports.net").setLevel(logging.INFO)
     if os.environ.get("WS_TAMPER_RELAY") == "1":
         forge_relayed_chunks()
     with open(path, "rb") as f:

@@ -69,6 +69,19 @@ def reports(out_dir: Path) -> Reports:
     return found
 
 
+def host_logs(out_dir: Path) -> dict[str, str]:
+    """The end of what each host's workers wrote to stderr (to say why a test failed)."""
+    return {p.name: p.read_text(errors="replace")[-2000:] for p in out_dir.glob("*.log")}
+
+
+def held_locks(pids: list[int]) -> list[str]:
+    """The file locks these processes hold (``/proc/locks``: kind, mode, pid, inode), to
+    say which worker held what when a host-mate waited too long."""
+    wanted = {str(p) for p in pids}
+    with open("/proc/locks", encoding="ascii") as f:
+        return [line.strip() for line in f if len(line.split()) > 4 and line.split()[4] in wanted]
+
+
 def wait_reports(out_dir: Path, done: Callable[[Reports], bool], timeout: float = 60) -> Reports:
     end = time.monotonic() + timeout
     while True:
@@ -76,8 +89,8 @@ def wait_reports(out_dir: Path, done: Callable[[Reports], bool], timeout: float 
         if done(got):
             return got
         if time.monotonic() > end:
-            logs = {p.name: p.read_text()[-2000:] for p in out_dir.glob("*.log")}
-            raise AssertionError(f"workers did not report in {timeout} s: {got}; logs: {logs}")
+            raise AssertionError(f"workers did not report in {timeout} s: {got}; "
+                                 f"logs: {host_logs(out_dir)}")
         time.sleep(0.05)
 
 

@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
@@ -216,7 +216,8 @@ class Servers:
         again = len(self.round_inits) if what != "init" else 0
         expected = len(self.clients) - len(errors) + again
         streams = publisher.wait_streams(version, expected, 5.0)
-        self.record(version, what, time.perf_counter() - started, streams, errors)
+        self.record(version, what, time.perf_counter() - started, streams, errors,
+                    relays=publisher.relay_names())
         if errors:
             self._raise_for(version, what, errors)
 
@@ -234,8 +235,11 @@ class Servers:
         raise WeightSyncError(message) from next(iter(errors.values()))
 
     def record(self, version: int, what: str, seconds: float, streams: list[StreamFigures],
-               errors: dict[str, BaseException]) -> None:
-        """The figures of one version sent (the newest 64 are kept)."""
+               errors: dict[str, BaseException], relays: Mapping[str, str] | None = None
+               ) -> None:
+        """The figures of one version sent (the newest 64 are kept); ``relays``: each
+        relay's address -> its server's name (where a host fetched from, by name)."""
+        relays = relays or {}
         self._stats.append({
             "version": version, "call": what, "seconds": seconds,
             "pack_seconds": self.pack_seconds,
@@ -243,8 +247,10 @@ class Servers:
             "chunks": sum(f.chunks for f in streams),
             "delta_chunks": sum(f.delta_chunks for f in streams),
             "hosts": [figures_dict(f) for f in streams],
-            # per host (the id it proved, e.g. server1): "trainer", or the relay it named
-            "fetched_from": {f.peer_id or f.host: f.source for f in streams if not f.error},
+            # per host (the id it proved, e.g. server1): "trainer", or the server whose
+            # host relayed it (its address when unknown)
+            "fetched_from": {f.peer_id or f.host: relays.get(f.source, f.source)
+                             for f in streams if not f.error},
             # hosts that got this version whole though delta is on, and why
             "whole": {f.host: f.whole_reason for f in streams if f.whole_reason},
             "failed": {name: str(exc) for name, exc in errors.items()},

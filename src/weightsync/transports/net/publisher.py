@@ -289,6 +289,12 @@ class VersionPublisher:
         with self._cond:
             return self._relays.get(peer_id)
 
+    def relay_names(self) -> dict[str, str]:
+        """Each known relay's address -> the id its host proved (to name where a host
+        fetched a version)."""
+        with self._cond:
+            return {address: peer_id for peer_id, address in self._relays.items()}
+
     def _learn_relay(self, peer_id: str, address: object) -> None:
         if isinstance(address, str) and len(address) <= 300:
             with contextlib.suppress(ValueError):
