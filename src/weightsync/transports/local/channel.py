@@ -256,23 +256,25 @@ class Channel:
         deadline = Deadline(timeout)
         prefix = bytearray(_PREFIX.size)
         fds: list[int] = []
-        self._recv_into(memoryview(prefix), deadline, fds)
-        header_len, payload_len = _PREFIX.unpack(prefix)
-        if header_len > _MAX_HEADER:
-            raise ChannelClosed(f"malformed frame: header of {header_len} bytes")
-        body = bytearray(header_len)
-        self._recv_into(memoryview(body), deadline, None)
-        try:
-            header = json.loads(body)
-        except (ValueError, RecursionError) as exc:
+        try:  # descriptors that came with a frame not returned are closed, never leaked
+            self._recv_into(memoryview(prefix), deadline, fds)
+            header_len, payload_len = _PREFIX.unpack(prefix)
+            if header_len > _MAX_HEADER:
+                raise ChannelClosed(f"malformed frame: header of {header_len} bytes")
+            body = bytearray(header_len)
+            self._recv_into(memoryview(body), deadline, None)
+            try:
+                header = json.loads(body)
+            except (ValueError, RecursionError) as exc:
+                raise ChannelClosed(f"malformed frame header: {type(exc).__name__}") from None
+            if not isinstance(header, dict):
+                raise ChannelClosed(f"malformed frame: a JSON {type(header).__name__}, not an "
+                                    "object")
+            if max_payload is not None and payload_len > max_payload:
+                raise ChannelClosed(f"malformed frame: a payload of {payload_len} bytes")
+        except BaseException:
             _close_fds(fds)
-            raise ChannelClosed(f"malformed frame header: {type(exc).__name__}") from None
-        if not isinstance(header, dict):
-            _close_fds(fds)
-            raise ChannelClosed(f"malformed frame: a JSON {type(header).__name__}, not an object")
-        if max_payload is not None and payload_len > max_payload:
-            _close_fds(fds)
-            raise ChannelClosed(f"malformed frame: a payload of {payload_len} bytes")
+            raise
         return Message(header=header, payload_nbytes=payload_len, fds=fds)
 
     def recv_payload_into(self, view: memoryview, timeout: float | None = None) -> None:
@@ -289,7 +291,11 @@ class Channel:
         deadline = Deadline(timeout)
         message = self.recv_header(deadline.remaining(), max_payload=max_payload)
         if message.payload_nbytes:
-            self.recv_payload(message, deadline.remaining())
+            try:
+                self.recv_payload(message, deadline.remaining())
+            except BaseException:
+                _close_fds(message.fds)
+                raise
         return message
 
     def send_nowait(self, header: dict[str, Any]) -> bool:
