@@ -36,7 +36,8 @@ def map_locked(path: Path, nbytes: int, *, write: bool) -> torch.Tensor:
             os.close(fd)
             return torch.empty(0, dtype=torch.uint8)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE if write else mmap.MAP_PRIVATE
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages mapped in one call
+        flags = mmap.MAP_SHARED | populate if write else mmap.MAP_PRIVATE
         mapping = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
     except BaseException:
         with contextlib.suppress(OSError):
