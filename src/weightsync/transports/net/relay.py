@@ -57,9 +57,7 @@ def fan_out(hosts: int, chunks: int) -> int:
     k chunk-times before the first chunk gets there: a chain (``chunks + hosts - 1``) wins
     while the hosts are fewer than about the chunks, a tree for many hosts and a small
     version (e.g. 64 hosts, 7 chunks: a chain 70, fan-out 2 26)."""
-    def cost(k: int) -> int:
-        return chunks + hosts - 1 if k == 1 else k * (chunks + _levels(hosts, k) - 1)
-    return min(FAN_OUTS, key=lambda k: (cost(k), k))
+    return min(FAN_OUTS, key=lambda k: (k * (chunks + _levels(hosts, k) - 1), k))
 
 
 def _parent(position: int, k: int) -> int:
@@ -67,7 +65,7 @@ def _parent(position: int, k: int) -> int:
 
 
 def _levels(hosts: int, k: int) -> int:
-    """The levels of a tree of ``hosts`` hosts where each feeds ``k``."""
+    """The levels of a tree of ``hosts`` hosts where each feeds ``k`` (a chain: ``hosts``)."""
     levels, position = 1, hosts - 1
     while position > 0:
         position, levels = _parent(position, k), levels + 1
@@ -82,12 +80,13 @@ def routes(hosts: Sequence[str], relays: Mapping[str, str], chunks: int) -> dict
     k = fan_out(len(hosts), chunks)
     out = {}
     for position, host in enumerate(hosts):
-        above, at = [], position
-        while at > 0:
+        sources: list[str] = []
+        at = position
+        while at > 0 and len(sources) < UPSTREAM:
             at = _parent(at, k)
-            above.append(hosts[at])
-        out[host] = Route([relays[h] for h in above if h in relays][:UPSTREAM],
-                          feeds=position * k + 1 < len(hosts))
+            if hosts[at] in relays:
+                sources.append(relays[hosts[at]])
+        out[host] = Route(sources, feeds=position * k + 1 < len(hosts))
     return out
 
 
