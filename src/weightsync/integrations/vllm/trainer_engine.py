@@ -34,7 +34,9 @@ from weightsync.schemes.double_buffer import VLLMDoubleBufferWeightSender
 class TrainerMode(Protocol):
     """What the engine asks of its mode: send a round's version, then close."""
 
-    version: int
+    @property
+    def version(self) -> int:
+        """The version sent last (-1: none)."""
 
     def send(self) -> None: ...
 

@@ -10,8 +10,9 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weightsync.core.deadline import Deadline
@@ -32,6 +33,17 @@ if TYPE_CHECKING:
 
 #: a call on one server: ``call(index, client)``
 ServerCall = Callable[[int, Any], None]
+
+
+@dataclass
+class ServerRound:
+    """The calls of one version on every server, started at once (``Servers.start_round``)."""
+
+    what: str  # "init" or "update"
+    version: int
+    futures: dict[int, Future[None]]  # server index -> its call
+    deadline: Deadline  # the engine's timeout, from the round's start
+    started: float = field(default_factory=time.perf_counter)
 
 
 def as_clients(client: Any) -> list[Any]:
@@ -58,7 +70,6 @@ class Servers:
         self.label_base = 0
         self.needs_init: set[int] = set()  # servers to initialise again (they failed)
         self.round_inits: list[int] = []  # servers initialised during the round under way
-        self.pack_seconds = 0.0  # how long the version under way took to pack
         #: per server URL, the seconds of each step of its in-flight take of the version
         #: under way (pause, load, label, reset, resume: how long it stopped generating)
         self.round_takes: dict[str, dict[str, float]] = {}
@@ -114,7 +125,7 @@ class Servers:
         assert url is not None
         after = publisher.streams_ended(version, f"server{index}")
         if index in self.needs_init:
-            self.needs_init.discard(index)  # a failure puts it back (each_server)
+            self.needs_init.discard(index)  # a failure puts it back (finish_round)
             # its one stream of the version (no other follows at the take)
             client.init_weight_transfer_engine(
                 {**init_info(index), "session": self.session, "stage_version": version,
@@ -184,25 +195,26 @@ class Servers:
                 f"server {url} loaded version {version} but could not empty its prefix "
                 "cache (blocks still held); its cached prompts would mix two versions")
 
-    def each_server(self, what: str, version: int, call: ServerCall,
-                    meanwhile: Callable[[], None], publisher: VersionPublisher) -> None:
-        """Run ``call`` for every server at once, each within the engine's timeout, and
-        ``meanwhile`` here (pack the version while the servers' hosts stream it); then raise
-        one error naming each server that failed or did not answer in time (the others got
-        the version). A server that failed is initialised again before its next update (a
-        restarted one has nothing: it takes the version whole)."""
-        started = time.perf_counter()
-        errors: dict[str, BaseException] = {}
+    def start_round(self, what: str, version: int, call: ServerCall) -> ServerRound:
+        """Start ``call`` on every server at once (``what``: "init" or "update"); the round
+        is ended by :meth:`finish_round`."""
         self.round_inits = []
         self.round_takes = {}
         pool = ThreadPoolExecutor(max(len(self.clients), 1), thread_name_prefix="weightsync-server")
         try:
             futures = {i: pool.submit(call, i, c) for i, c in enumerate(self.clients)}
-            meanwhile()
-            wait_futures(futures.values(), timeout=self.timeout)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # a stalled call is left behind
-        for index, future in futures.items():
+            pool.shutdown(wait=False)  # its threads end with their calls
+        return ServerRound(what, version, futures, Deadline(self.timeout))
+
+    def finish_round(self, calls: ServerRound, publisher: VersionPublisher) -> list[int]:
+        """Wait for a round's calls (until the engine's timeout from its start), record its
+        figures, and return the servers that got the version; or raise one error naming
+        each server that failed or did not answer in time. A stalled call is left behind
+        (a blocked HTTP call cannot be cancelled); its server is initialised again."""
+        wait_futures(calls.futures.values(), timeout=calls.deadline.remaining())
+        errors: dict[str, BaseException] = {}
+        for index, future in calls.futures.items():
             name = server_name(self.clients[index])
             if not future.done():
                 errors[name] = WeightSyncTimeoutError(
@@ -213,13 +225,14 @@ class Servers:
                 self.needs_init.add(index)
         # one stream per server that answered, and in an update one more per server
         # initialised again on the way (its init fetched the version whole first)
-        again = len(self.round_inits) if what != "init" else 0
+        again = len(self.round_inits) if calls.what != "init" else 0
         expected = len(self.clients) - len(errors) + again
-        streams = publisher.wait_streams(version, expected, 5.0)
-        self.record(version, what, time.perf_counter() - started, streams, errors,
+        streams = publisher.wait_streams(calls.version, expected, 5.0)
+        self.record(calls.version, calls.what, time.perf_counter() - calls.started, streams, errors,
                     relays=publisher.relay_names())
         if errors:
-            self._raise_for(version, what, errors)
+            self._raise_for(calls.version, calls.what, errors)
+        return list(calls.futures)
 
     def _raise_for(self, version: int, what: str, errors: dict[str, BaseException]) -> None:
         detail = "; ".join(f"{name}: {type(exc).__name__}: {server_said(exc)}"
@@ -242,7 +255,7 @@ class Servers:
         relays = relays or {}
         self._stats.append({
             "version": version, "call": what, "seconds": seconds,
-            "pack_seconds": self.pack_seconds,
+            "pack_seconds": 0.0,  # the network mode's: amended once its sender says
             "wire_bytes": sum(f.wire_bytes for f in streams),
             "chunks": sum(f.chunks for f in streams),
             "delta_chunks": sum(f.delta_chunks for f in streams),
@@ -260,6 +273,13 @@ class Servers:
         })
         self._whole_streams += sum(1 for f in streams if f.whole_reason)
         del self._stats[:-64]
+
+    def amend(self, version: int, **figures: Any) -> None:
+        """Add ``figures`` to those recorded for ``version`` (if they were)."""
+        for record in reversed(self._stats):
+            if record["version"] == version:
+                record.update(figures)
+                return
 
     def stats(self) -> dict[str, Any]:
         """Per version sent on the network path: wire bytes, chunks and chunks sent as

@@ -97,6 +97,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         #: the trainer session that initialised it last, and those that ended here
         self.sessions = ServerSessions(f"vLLM worker {self.worker_idx} on {self.host_label}")
         self.lease: TakeLease | None = None  # in-flight takes on this server (worker 0)
+        #: a stage the trainer asked for inside an update session: begun at its finish
+        self.stage_asked: tuple[WeightSyncInitInfo, int, list[str]] | None = None
 
     def _reload(self, pairs: Pairs) -> None:
         initialize_layerwise_reload(self.model)
@@ -227,6 +229,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each version is loaded whole inside ``update_weights``."""
+        self.stage_asked = None  # (one a session left unfinished: its trainer is gone)
         if self.adapter is None and self.remote is None:
             self._receiver()
         if self.lease is not None:
@@ -282,8 +285,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         if version is None:
             raise ValueError("the weightsync network path needs update_info {'version': v} "
                              "(the weightsync trainer engine sends it)")
-        if stage:
-            self._start_staging(remote, version, relays=relays)
+        if stage:  # begun once the trainer ends this update session (finish_weight_update):
+            # a trainer that dies while the host fetches never leaves the session open
+            self.stage_asked = (remote, version, relays)
             if self.lease is not None:
                 self.lease.loaded(None)
             return
@@ -319,7 +323,12 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         apply_exact(receiver, local, timeout)
 
     def finish_weight_update(self) -> None:
-        """Nothing to finalise: the version was loaded and post-processed whole."""
+        """Begin the stage this session asked for, if it did (a load has nothing to
+        finalise: the version was loaded and post-processed whole)."""
+        asked, self.stage_asked = self.stage_asked, None
+        if asked is not None:
+            remote, version, relays = asked
+            self._start_staging(remote, version, relays=relays)
         if self.lease is not None:
             self.lease.finished()
 

@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.endpoints import Losses
@@ -34,6 +34,9 @@ from weightsync.transports.net.packed import chunk_count
 from weightsync.transports.net.relay import UPSTREAM, routes
 from weightsync.transports.net.seal import Seal
 from weightsync.transports.net.wire import ProtocolError, recv_frame, send_frame, split_address
+
+if TYPE_CHECKING:
+    from weightsync.transports.net.publisher import JoinHandler, VersionPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,15 @@ class NetMembers:
         self._closed = False
 
     # ------------------------------------------------------------------ the listener's side
+    @property
+    def join_handler(self) -> JoinHandler:
+        """The listener hands each worker's control connection to :meth:`serve`."""
+        return self.serve
+
+    def started(self, publisher: VersionPublisher) -> None:
+        """The listener is up: its session is what each joining worker is told."""
+        self.session = publisher.session
+
     def serve(self, sock: socket.socket, seal: Seal, host: str, request: dict[str, Any]) -> None:
         """A worker's control connection (the publisher's join handler): runs on the
         connection's thread until the worker leaves or is lost."""

@@ -28,7 +28,7 @@ from weightsync.core.versions import NO_VERSION
 from weightsync.transports.net.members import NetMembers
 from weightsync.transports.net.sharded import NetRankLead, NetRankMember
 from weightsync.transports.net.wire import join_address, split_address
-from weightsync.transports.net.writer import link_figures
+from weightsync.transports.net.writer import Members, link_figures
 from weightsync.transports.ranks.member import MemberWriter
 from weightsync.transports.ranks.records import Hello, Plan
 
@@ -57,11 +57,11 @@ class NetRankZeroWriter:
 
     def __init__(self, address: str, token: str, rank_key: str, num_workers: int,
                  trainer_ranks: int, *, timeout: float, dtype: torch.dtype | None,
-                 delta: bool) -> None:
-        self.address, self.trainer_ranks = address, trainer_ranks
+                 delta: bool, board: str = "", members: Members | None = None) -> None:
+        self.address, self.trainer_ranks, self.board = address, trainer_ranks, board
         self._token, self._rank_key = token, rank_key
         self.timeout, self.dtype, self.delta = timeout, dtype, delta
-        self.members = NetMembers(num_workers)
+        self.members: Members = NetMembers(num_workers) if members is None else members
         self.lead: NetRankLead | None = None
         self.committed = NO_VERSION
         self._notice: dict[str, Any] = {}  # what the current version's notices carry
@@ -73,8 +73,9 @@ class NetRankZeroWriter:
         """Listen for the workers and the ranks."""
         self.lead = NetRankLead(self.address, self._rank_key, self.trainer_ranks,
                                 dtype=self.dtype, timeout=self.timeout, delta=self.delta,
-                                hosts_token=self._token, on_join=self.members.serve)
-        self.members.session = self.lead.own.publisher.session
+                                board=self.board, hosts_token=self._token,
+                                on_join=self.members.join_handler)
+        self.members.started(self.lead.own.publisher)
 
     def publish(self, flat: Mapping[str, Any], layout: Layout, requested: list[int],
                 version: int, deadline: Deadline) -> Losses:
@@ -180,10 +181,11 @@ class NetMemberPlane:
 
 
 def net_rank_writer(address: str, token: str, rank_key: str, rank: int, *, timeout: float,
-                    dtype: torch.dtype | None, delta: bool) -> MemberWriter:
+                    dtype: torch.dtype | None, delta: bool, board: str = "") -> MemberWriter:
     """Rank ``rank`` > 0: serves its part from a listener on ``address``'s host (a free
-    port; its address reaches the workers through rank 0) to hosts proving ``token``."""
+    port; its address reaches the workers through rank 0) to hosts proving ``token``;
+    ``board``: rank 0's board over TCP at that address (ranks on several hosts)."""
     host, _ = split_address(address)
     member = NetRankMember(join_address(host, 0), rank_key, rank, dtype=dtype,
-                           timeout=timeout, delta=delta, hosts_token=token)
+                           timeout=timeout, delta=delta, board=board, hosts_token=token)
     return MemberWriter(rank, member.link, NetMemberPlane(member))
