@@ -11,13 +11,13 @@ TORCHRL_VERSION="0.14.1"
 installed="$("$PY" -c 'import importlib.metadata as m; print(m.version("torchrl"))' 2>/dev/null || true)"
 if [ "$installed" != "$TORCHRL_VERSION" ]; then
   echo "installing torchrl $TORCHRL_VERSION (--no-deps) into $VENV" >&2
-  "$PY" -m pip install -q --no-compile --no-deps "torchrl==$TORCHRL_VERSION"
+  "$PY" -m pip install -q --no-deps "torchrl==$TORCHRL_VERSION"
 fi
 # torchrl's own pure-Python requirements besides torch/tensordict: install only the
 # missing ones, each pinned to a version known to work, never with its dependencies.
 for req in "cloudpickle==3.1.2" "packaging==26.3" "numpy==2.4.6"; do
   name="${req%%==*}"
   if ! "$PY" -c "import importlib.metadata as m; m.version('$name')" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-compile --no-deps "$req"
+    "$PY" -m pip install -q --no-deps "$req"
   fi
 done

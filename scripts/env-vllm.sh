@@ -86,6 +86,6 @@ for line in text.splitlines():
         req.marker = None
         print(req)
 EOF
-"$PY" -m pip install -q --no-compile --no-deps "$wheel"
-"$PY" -m pip install -q --no-compile -r "$work/requirements.txt" -c "$work/constraints.txt"
+"$PY" -m pip install -q --no-deps "$wheel"
+"$PY" -m pip install -q -r "$work/requirements.txt" -c "$work/constraints.txt"
 "$PY" -c "import vllm, torch; assert torch.__version__ == '$torch_version', torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install weightsync into it.
 # Needs only python3. torch is installed pinned (CPU build) and only when it is missing,
-# so no range ever pulls the multi-GB CUDA wheels. Nothing is byte-compiled at install
-# (--no-compile): Python compiles what is imported, once, and most of torch, vLLM and Ray
-# never is (compiling all of it took ~45 s of a fresh set-up).
+# so no range ever pulls the multi-GB CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${WEIGHTSYNC_VENV:-.venv}"
@@ -14,12 +12,12 @@ fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "installing torch 2.13.0 (CPU) into $VENV" >&2
-  "$PY" -m pip install -q --no-compile torch==2.13.0
+  "$PY" -m pip install -q torch==2.13.0
 fi
 stamp="$VENV/.weightsync-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "installing weightsync and its extras into $VENV" >&2
-  "$PY" -m pip install -q --no-compile -e ".[dev,demo,ray,hf,delta,lora]"
+  "$PY" -m pip install -q -e ".[dev,demo,ray,hf,delta,lora]"
   touch "$stamp"
 fi
 # Heavier test-only dependencies (vLLM's CPU build, TorchRL), each installed by its own

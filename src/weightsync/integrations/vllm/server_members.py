@@ -113,8 +113,10 @@ class ServerMembers:
         if calls is None or calls.version != version:
             raise WeightSyncError(f"version {version} was not delivered to the servers")
         assert self.publisher is not None
-        for index in self.servers.finish_round(calls, self.publisher):
-            self._held[index] = version
+        try:
+            self.servers.finish_round(calls, self.publisher)
+        finally:  # those that failed keep what they held
+            self._held.update(dict.fromkeys(calls.served, version))
 
     def wait_joined(self, version: int, deadline: Deadline) -> None:
         """Nothing to wait for: a server is initialised within the round that reaches it."""

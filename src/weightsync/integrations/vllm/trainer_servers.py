@@ -44,6 +44,7 @@ class ServerRound:
     futures: dict[int, Future[None]]  # server index -> its call
     deadline: Deadline  # the engine's timeout, from the round's start
     started: float = field(default_factory=time.perf_counter)
+    served: list[int] = field(default_factory=list)  # once ended: the servers that got it
 
 
 def as_clients(client: Any) -> list[Any]:
@@ -207,11 +208,12 @@ class Servers:
             pool.shutdown(wait=False)  # its threads end with their calls
         return ServerRound(what, version, futures, Deadline(self.timeout))
 
-    def finish_round(self, calls: ServerRound, publisher: VersionPublisher) -> list[int]:
+    def finish_round(self, calls: ServerRound, publisher: VersionPublisher) -> None:
         """Wait for a round's calls (until the engine's timeout from its start), record its
-        figures, and return the servers that got the version; or raise one error naming
-        each server that failed or did not answer in time. A stalled call is left behind
-        (a blocked HTTP call cannot be cancelled); its server is initialised again."""
+        figures and the servers that got the version (``calls.served``); then raise one
+        error naming each server that failed or did not answer in time. A stalled call is
+        left behind (a blocked HTTP call cannot be cancelled); its server is initialised
+        again."""
         wait_futures(calls.futures.values(), timeout=calls.deadline.remaining())
         errors: dict[str, BaseException] = {}
         for index, future in calls.futures.items():
@@ -223,6 +225,8 @@ class Servers:
                 errors[name] = future.exception()  # type: ignore[assignment]
             if name in errors:
                 self.needs_init.add(index)
+            else:
+                calls.served.append(index)
         # one stream per server that answered, and in an update one more per server
         # initialised again on the way (its init fetched the version whole first)
         again = len(self.round_inits) if calls.what != "init" else 0
@@ -232,7 +236,6 @@ class Servers:
                     relays=publisher.relay_names())
         if errors:
             self._raise_for(calls.version, calls.what, errors)
-        return list(calls.futures)
 
     def _raise_for(self, version: int, what: str, errors: dict[str, BaseException]) -> None:
         detail = "; ".join(f"{name}: {type(exc).__name__}: {server_said(exc)}"
