@@ -15,14 +15,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-#: vLLM's CPU build pins each engine's compute to one core by default ("auto": on two
-#: cores, core 0, the other kept for its front end), so every engine the suite starts at
-#: once (two servers, an engine beside another worker's) shares core 0 while core 1 is
-#: busy with the rest. Unpinned, the vLLM modules run ~15% faster here (458 s -> 389 s
-#: for the remote-serve modules on two workers). Tests that bind ranks by hand (tensor
-#: parallelism: "0|1") still do.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
 from workers import StopFlag
 
 import weightsync as ws
