@@ -30,10 +30,8 @@ class NetworkMode:
         self.servers = servers
         self.source = source
         self.adapter = adapter
-        self.is_sender = is_sender
         self.timeout = config.send.timeout  # the lifecycle's deadline of each round
         self.token = ""  # the session's secret: it never leaves the trainer
-        self.members: ServerMembers | None = None
         self.writer: NetWriter | None = None
         self.sender: WeightSender | None = None
 
@@ -47,11 +45,11 @@ class NetworkMode:
         if not is_sender:
             return mode
         mode.token = secrets.token_hex(32)
-        mode.members = ServerMembers(servers, mode.token, delta=config.delta,
-                                     timeout=config.send.timeout)
+        members = ServerMembers(servers, mode.token, delta=config.delta,
+                                timeout=config.send.timeout)
         mode.writer = NetWriter(
             config.address, mode.token, len(servers.clients), timeout=config.send.timeout,
-            dtype=config.send.dtype, delta=config.delta, members=mode.members,
+            dtype=config.send.dtype, delta=config.delta, members=members,
             metadata=None if adapter is None else adapter.metadata())
         mode.sender = WeightSender(mode, mode.writer, len(servers.clients))
         try:
@@ -81,11 +79,6 @@ class NetworkMode:
     def version(self) -> int:
         """The version sent last (-1: none, or a rank that sends nothing)."""
         return -1 if self.sender is None else self.sender.version
-
-    @property
-    def publisher(self) -> Any:
-        """The listener the servers' hosts fetch from (None before the first round)."""
-        return None if self.writer is None else self.writer.publisher
 
     def close(self) -> None:
         if self.sender is not None:

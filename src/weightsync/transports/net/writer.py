@@ -118,9 +118,10 @@ class NetWriter:
         assert self.publisher is not None
         started = time.perf_counter()
         weights = {spec.name: flat[spec.name] for spec in layout}
-        nbytes = plan(weights, version, self.dtype).nbytes  # the layout alone (no copy)
-        packed = plan(weights, version, self.dtype, self.publisher.spare_buffer(nbytes),
-                      self.metadata)
+        packed = plan(weights, version, self.dtype, metadata=self.metadata)
+        spare = self.publisher.spare_buffer(packed.nbytes)
+        if spare is not None:  # a retired version's buffer: no page faults
+            packed.buffer = spare
         packed.fill(weights)
         self.pack_seconds = time.perf_counter() - started
         with self.members.joining:
