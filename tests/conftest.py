@@ -165,7 +165,8 @@ def _single_thread_torch() -> None:
 #: collector test among them), RayCollector and AsyncVLLM, `vllm serve` with LoRA, vLLM
 #: tensor parallelism, the transformers end-to-end run, the sharded directory suite, a pool
 #: of hosts relaying versions, the rank conformance suite on the directory, Ray and the
-#: network path, benches, demos and examples, and the single cases below. The README's
+#: network path, the load into a shadow on an in-process engine, benches, demos and
+#: examples, and the single cases below. The README's
 #: default command
 #: (`bash scripts/run.sh test`) leaves them out so that it ends within 15 minutes in a
 #: fresh clone on two cores. What stays: the same-host contract suite
@@ -202,6 +203,7 @@ FULL_TIER: tuple[str, ...] = (
     "tests/test_bench_lora.py",
     "tests/test_bench_delta.py",
     "tests/transports/test_net_relay.py",  # a pool of hosts (two hosts relay in the default)
+    "tests/integrations/test_vllm_prepared_load.py",  # an engine of its own, in-process
 )
 #: single cases of the full tier: (module, a piece of the test id)
 FULL_TIER_CASES: tuple[tuple[str, str], ...] = (

@@ -144,6 +144,9 @@ class HostReceiver:
         #: with several servers: serves what this host fetches to the servers after it
         self.relay: HostRelay | None = None
         self._relay_key = ""
+        #: run with a staged version's request key before the trainer hears it is staged
+        #: (an engine whose ranks load it ahead of the take waits for them here)
+        self.after_commit: Callable[[str], None] | None = None
 
     def _start_over(self) -> None:
         """An empty staging directory with this process's owner record (a previous engine's
@@ -251,6 +254,8 @@ class HostReceiver:
         local = int(self.sender.update_weights(tensors, timeout=timeout))
         self._status({"key": key, "local": local, "version": version})
         self.version = version
+        if self.after_commit is not None:
+            self.after_commit(key)
         return local
 
     def stage_in_background(self, address: str | Sequence[str], token: str, want: int,

@@ -22,6 +22,7 @@ from vllm.model_executor.model_loader.reload import (
 from weightsync.core.checksum import warm_up_in_background
 from weightsync.core.errors import WeightSyncError
 from weightsync.integrations.vllm.extension import apply_exact
+from weightsync.integrations.vllm.load_ahead import LoadAhead, wait_loaded
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
 from weightsync.integrations.vllm.take_lease import TakeLease
 from weightsync.integrations.vllm.worker_config import WeightSyncInitInfo, WeightSyncUpdateInfo
@@ -99,8 +100,22 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.lease: TakeLease | None = None  # in-flight takes on this server (worker 0)
         #: a stage the trainer asked for inside an update session: begun at its finish
         self.stage_asked: tuple[WeightSyncInitInfo, int, list[str]] | None = None
+        self.served = -1  # the version the served model holds (the receiver may be ahead)
+        self.ahead: LoadAhead | None = None  # in flight on a CPU: loads ahead of the take
+        self.ahead_key = ""  # the stage this host's ranks load ahead (rank 0 waits for them)
+
+    def _loads_ahead(self) -> bool:
+        """Whether staged versions are loaded into a shadow ahead of the take: on vLLM's
+        CPU build, where a load re-packs every layer (on a GPU it is a device copy, and a
+        shadow would double the weights' device memory); ``WEIGHTSYNC_VLLM_LOAD_AHEAD=0``
+        turns it off."""
+        return self.device.type == "cpu" and os.environ.get("WEIGHTSYNC_VLLM_LOAD_AHEAD") != "0"
 
     def _reload(self, pairs: Pairs) -> None:
+        shadow = None if self.ahead is None else self.ahead.target()
+        if shadow is not None:  # a load ahead of the take: the served model is only read
+            shadow.load(pairs, self.model_config)
+            return
         initialize_layerwise_reload(self.model)
         model: Any = self.model  # a vLLM model: load_weights takes (name, tensor) pairs
         model.load_weights(pairs)
@@ -148,7 +163,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         receiver = self._attach(directory, num_workers, init_info.timeout, init_info.address)
         if local is not None:
             apply_exact(receiver, local, init_info.timeout)
-        self.receiver = receiver
+        self.receiver, self.served = receiver, receiver.version
         logger.info("worker %d joined %s at version %d", idx, init_info.address or directory,
                     receiver.version)
 
@@ -258,22 +273,48 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             version = receiver.newest_committed()
             if version is None:
                 return
-        apply_exact(receiver, version, update_info.timeout)
+        self.served = apply_exact(receiver, version, update_info.timeout)
 
     def _start_staging(self, remote: WeightSyncInitInfo, version: int, *,
                        new_session: bool = False, relays: list[str] | None = None) -> None:
         """In-flight: this host's receiver (local rank 0) starts fetching and staging
         ``version`` in the background (from ``relays`` first: other servers' hosts); the
-        other ranks have nothing to do yet."""
+        other ranks have nothing to do yet, or load it ahead of the take once it is staged
+        (``LoadAhead``: every rank, after the session's first version)."""
+        key = request_key(remote.token, f"version/{version}")
+        self.ahead_key = ""
+        if self.receiver is not None and self._loads_ahead():
+            if self.ahead is None:
+                self.ahead = LoadAhead(self.model, self.model_config, self.staging,
+                                       self.worker_idx, f"vLLM worker {self.worker_idx} on "
+                                       f"{self.host_label}")
+            self.ahead.start(key, remote.timeout, self._load_ahead)
+            self.ahead_key = key
         if not _is_host_receiver():
             return
         if self.host is None:
             self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
                                      remote.timeout)
-        self.host.stage_in_background(_trainer(remote), remote.token, version,
-                                      request_key(remote.token, f"version/{version}"),
+        self.host.after_commit = self._wait_loaded_ahead
+        self.host.stage_in_background(_trainer(remote), remote.token, version, key,
                                       remote.timeout, new_session=new_session,
                                       **_relaying(remote, relays))
+
+    def _load_ahead(self, local: int) -> int | None:
+        """In the background: the receiver applies staged ``local``, its reload filling the
+        shadow (``LoadAhead.target``); the version now loaded ahead (None: a session's first
+        version, which its take loads)."""
+        receiver, remote = self.receiver, self.remote
+        if receiver is None or remote is None:
+            return None
+        return int(receiver.apply_version(local, timeout=remote.timeout))
+
+    def _wait_loaded_ahead(self, key: str) -> None:
+        """On the host's receiver, before the trainer hears ``key`` staged: until every
+        rank loaded it ahead (or gave up), so that the take only swaps it in."""
+        if key and key == self.ahead_key and self.remote is not None:
+            wait_loaded(self.staging, self._local_ranks(), key, self.remote.timeout,
+                        f"vLLM worker {self.worker_idx} on {self.host_label}")
 
     def _receive_remote(self, version: int | None, timeout: float | None, stage: bool,
                         label: str, relays: list[str]) -> None:
@@ -316,11 +357,17 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                                         **_relaying(remote, relays))
         else:
             local = wait_staged(self.staging, key, timeout, where)
+        if self.ahead is not None and self.ahead.take(key, local, timeout):
+            self.served = local  # loaded ahead, swapped in
+            return
         receiver = self.receiver
         if receiver is None:  # an in-flight init: the first version it staged
             receiver = self.receiver = self._attach(str(self.staging), self._local_ranks(),
                                                     remote.timeout, remote.address)
+        elif receiver.version == local and self.served != local:  # loaded ahead, not taken
+            receiver.apply_version(local, timeout=timeout)
         apply_exact(receiver, local, timeout)
+        self.served = local
 
     def finish_weight_update(self) -> None:
         """Begin the stage this session asked for, if it did (a load has nothing to
@@ -335,10 +382,12 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
     def shutdown(self) -> None:
         """Detach from the directory; the host's staging directory stays for the next init
         (``close`` removes it with the engine)."""
+        if self.ahead is not None:
+            self.ahead.drop()
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
-        self.remote = None
+        self.remote, self.served = None, -1
         self.adapter = None  # its staged files stay: vLLM may read them again
         if self.lease is not None:
             self.lease.close()
@@ -347,7 +396,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
     def __del__(self) -> None:
         # At interpreter exit this runs while modules are torn down, their globals already
         # None (``contextlib`` among them): builtins only, and nothing may escape.
-        for owned in (getattr(self, "host", None), getattr(self, "adapter_files", None)):
+        for owned in (getattr(self, "host", None), getattr(self, "adapter_files", None),
+                      getattr(self, "ahead", None)):
             if owned is not None:
                 try:  # noqa: SIM105 (not contextlib.suppress: the module may be gone by now)
                     owned.close()
@@ -360,7 +410,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         adapter, the one this host staged last)."""
         if self.adapter_files is not None:
             return self.adapter_files.version
-        return -1 if self.receiver is None else self.receiver.version
+        return -1 if self.receiver is None else self.served
 
     def _receiver(self) -> VLLMDoubleBufferWeightReceiver:
         if self.receiver is None:
