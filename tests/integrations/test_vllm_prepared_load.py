@@ -1,7 +1,7 @@
 """A version loaded into a shadow of the served model (``prepared_load``) against vLLM's own
-reload, on a real engine: the served model is untouched while the shadow loads beside
-generation, and after the swap it generates exactly what vLLM's reload of the same version
-generates (tokens and logprobs, bit for bit)."""
+reload, on a real engine (a Llama with tied embeddings, bf16 versions): the served model is
+untouched while the shadow loads beside generation, and after the swap it generates exactly
+what vLLM's reload of the same version generates (tokens and logprobs, bit for bit)."""
 
 from __future__ import annotations
 

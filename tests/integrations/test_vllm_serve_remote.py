@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,15 @@ import pytest
 import torch
 import vllm_model as vm
 from token_labels import Sample, check_labels, stream_tokens
-from vllm_server import SRC, VLLMServer, greedy, serve_on_host_b, two_hosts
+from vllm_server import (
+    SRC,
+    VLLMServer,
+    greedy,
+    log_since,
+    serve_on_host_b,
+    two_hosts,
+    weightsync_info_logs,
+)
 
 from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, TwoHostCluster
 from weightsync.core.errors import WeightSyncError
@@ -41,8 +50,10 @@ def hosts() -> Iterator[TwoHostCluster]:
 @pytest.fixture(scope="module")
 def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
     """``vllm serve`` on host B (it boots from its own copy of the tiny Llama), with the
-    token-in-token-out endpoint (its per-token labels)."""
-    yield from serve_on_host_b(hosts, "ws-vllm-remote-", extra=("--enable-scale-out",))
+    token-in-token-out endpoint (its per-token labels), logging weightsync's INFO lines."""
+    with weightsync_info_logs() as env:
+        yield from serve_on_host_b(hosts, "ws-vllm-remote-", extra=("--enable-scale-out",),
+                                   env=env)
 
 
 def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
@@ -120,6 +131,7 @@ def test_streams_keep_generating_and_every_token_names_its_weights(
     """Over a link capped at 1 Gb/s (tc), so a version takes real time on the wire."""
     models: dict[str, Any] = {"default": vm.build_model(seed=0)}  # what the server booted with
     trainer = vm.build_model(seed=0)
+    logged = os.path.getsize(server.log_path)
     hosts.shape_link("1gbit")
     with contextlib.ExitStack() as shaped, Streams(server.url) as streams:
         shaped.callback(hosts.unshape_link)
@@ -154,6 +166,10 @@ def test_streams_keep_generating_and_every_token_names_its_weights(
     # labels only go up, across the two trainer sessions too
     flat = [int(label) for labels in sessions for label in labels]
     assert flat == sorted(flat) and len(set(flat)) == len(flat), sessions
+    # vLLM's CPU build: each update was loaded ahead of its take (``load_ahead``), so the
+    # take only swapped it in; a session's first version is loaded at its take
+    ahead = re.findall(r"loaded version \d+ ahead", log_since(server, logged))
+    assert len(ahead) == sum(len(labels) - 1 for labels in sessions), ahead
     # every token: its label is a version, and that version's logprob is vLLM's
     samples = streams.samples
     assert all(s.finish_reason == "length" for s in samples)
@@ -371,11 +387,14 @@ def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server:
 
 def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server: VLLMServer):
     """``--tensor-parallel-size 2``: the host's rank 0 fetches each version once; both ranks
-    take that staged version in flight (one stream per update in the trainer's figures),
-    and the labels of three streams running across the updates name the weights exactly."""
+    take that staged version in flight (one stream per update in the trainer's figures;
+    each rank loaded it ahead of the take), and the labels of three streams running across
+    the updates name the weights exactly."""
+    logs = contextlib.ExitStack()
     tp = VLLMServer(server.model_dir, host=ADDRESS_B, port=8002, netns=hosts.ns_b,
                     extra=("--tensor-parallel-size", "2", "--enable-scale-out"),
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                         **logs.enter_context(weightsync_info_logs())})
     try:
         tp.start().wait_ready()
         trainer = vm.build_model()
@@ -398,8 +417,11 @@ def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server:
         problems = check_labels(streams.samples, models, TOLERANCE, kv="fresh")
         assert not problems, "\n".join(problems[:20])
         assert any(len(set(s.labels)) > 1 for s in streams.samples)
+        ahead = re.findall(r"worker (\d) on \S+: loaded version \d+ ahead", log_since(tp, 0))
+        assert sorted(ahead) == ["0", "0", "1", "1"], ahead  # both updates, on both ranks
     finally:
         tp.stop()
+        logs.close()
 
 
 def test_a_2_rank_fsdp2_trainer_streams_its_shards_from_every_rank(

@@ -2,6 +2,8 @@
 ``weightsync bench --transports vllm-serve`` uses it too), and greedy tokens of the tests'
 prompts, and the two-host fixtures' bodies of the tests that serve on another host."""
 
+import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -56,3 +58,33 @@ def serve_tiny_llama(prefix: str, **options: Any) -> Iterator[VLLMServer]:
 def serve_on_host_b(hosts: TwoHostCluster, prefix: str, **options: Any) -> Iterator[VLLMServer]:
     """:func:`serve_tiny_llama` on host B of ``hosts``."""
     yield from serve_tiny_llama(prefix, host=ADDRESS_B, port=8000, netns=hosts.ns_b, **options)
+
+
+@contextlib.contextmanager
+def weightsync_info_logs() -> Iterator[dict[str, str]]:
+    """The environment of a ``vllm serve`` whose log also holds weightsync's INFO lines (vLLM
+    logs its own at WARNING, as in the tests' other servers). The logging config lives in
+    /var/tmp, which a server on another host (private /tmp) still sees."""
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(asctime)s %(process)d %(name)s %(levelname)s "
+                                           "%(message)s"}},
+        "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
+                             "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
+                    "weightsync": {"handlers": ["out"], "level": "INFO", "propagate": False}},
+    }
+    fd, path = tempfile.mkstemp(prefix="ws-vllm-logging-", suffix=".json", dir="/var/tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    try:
+        yield {"VLLM_LOGGING_CONFIG_PATH": path}
+    finally:
+        os.unlink(path)
+
+
+def log_since(server: Any, offset: int) -> str:
+    """What ``server`` logged after the first ``offset`` bytes of its log."""
+    with open(server.log_path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")

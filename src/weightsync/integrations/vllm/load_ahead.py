@@ -49,9 +49,8 @@ class LoadAhead:
     version; :meth:`target` tells the engine's reload to load into a shadow (inside the
     background load); :meth:`take` swaps it in if it holds the version asked for."""
 
-    def __init__(self, model: Any, model_config: Any, directory: Path, rank: int,
-                 where: str) -> None:
-        self.model, self.model_config = model, model_config
+    def __init__(self, model: Any, directory: Path, rank: int, where: str) -> None:
+        self.model = model
         self.directory, self.rank, self.where = directory, rank, where
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="weightsync-load-ahead",
                                           initializer=_one_thread)

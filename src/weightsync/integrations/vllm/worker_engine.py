@@ -285,9 +285,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.ahead_key = ""
         if self.receiver is not None and self._loads_ahead():
             if self.ahead is None:
-                self.ahead = LoadAhead(self.model, self.model_config, self.staging,
-                                       self.worker_idx, f"vLLM worker {self.worker_idx} on "
-                                       f"{self.host_label}")
+                self.ahead = LoadAhead(self.model, self.staging, self.worker_idx,
+                                       f"vLLM worker {self.worker_idx} on {self.host_label}")
             self.ahead.start(key, remote.timeout, self._load_ahead)
             self.ahead_key = key
         if not _is_host_receiver():
