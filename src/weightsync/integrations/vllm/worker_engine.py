@@ -3,7 +3,8 @@ in each of its workers (``WeightSyncWeightTransferEngine``), with the ``init_inf
 ``update_info`` of ``worker_config``. Each update loads one committed version, exactly, from the
 trainer's directory (one host) or from this host's staging directory (the network path,
 where the host's first rank fetches it), checked against the served model's layout,
-through vLLM's layerwise reload; a LoRA adapter's versions are staged as files instead.
+through vLLM's layerwise reload (on a CPU, in flight: ahead of the take, into a shadow that
+the take swaps in, ``load_ahead``); a LoRA adapter's versions are staged as files instead.
 One trainer per server at a time (``weightsync.serving.sessions``)."""
 
 from __future__ import annotations
