@@ -10,7 +10,6 @@ staged slots."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,7 +23,7 @@ import torch
 from weightsync.core.deadline import Deadline
 from weightsync.integrations.vllm.prepared_load import PreparedLoad
 from weightsync.serving.host_receiver import wait_staged
-from weightsync.transports.directory.files import write_json_atomic
+from weightsync.transports.directory.files import read_json_object, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +60,17 @@ class LoadAhead:
         self._prepared: PreparedLoad | None = None
 
     # ------------------------------------------------------------------ background
-    def start(self, key: str, timeout: float, load: Callable[[int], int | None]) -> None:
+    def start(self, key: str, timeout: float, load: Callable[[int], bool]) -> None:
         """Once the host stages ``key``, ``load(local)`` it (the engine's receiver applies
-        it, its reload filling :meth:`target`) and keep the shadow; ``load`` returns the
-        version it loaded, None if it could not load ahead."""
+        it, its reload filling :meth:`target`) and keep the shadow; ``load`` returns False
+        if it could not load ahead."""
         with self._lock:
             self._generation += 1
             generation, self._prepared = self._generation, None
             self._job = (key, self._worker.submit(self._load, generation, key, timeout, load))
 
     def _load(self, generation: int, key: str, timeout: float,
-              load: Callable[[int], int | None]) -> None:
+              load: Callable[[int], bool]) -> None:
         loaded = False
         try:
             local = wait_staged(self.directory, key, timeout, self.where)
@@ -81,16 +80,14 @@ class LoadAhead:
             self._here.shadow = shadow
             started = time.perf_counter()
             try:
-                label = load(local)
+                if not load(local) or shadow.root is None:
+                    return
             finally:
                 self._here.shadow = None
-            if label is None or shadow.root is None:
-                return
-            shadow.label = label
             with self._lock:
                 if generation == self._generation:
                     self._prepared, loaded = shadow, True
-            logger.info("%s: loaded version %d ahead in %.3fs", self.where, label,
+            logger.info("%s: loaded version %d ahead in %.3fs", self.where, local,
                         time.perf_counter() - started)
         except Exception as exc:  # the take loads it instead
             logger.warning("%s: could not load %s ahead (%s: %s); it loads at the take",
@@ -144,13 +141,8 @@ def wait_loaded(directory: Path, ranks: int, key: str, timeout: float, where: st
     deadline = Deadline(timeout)
     waiting = set(range(ranks))
     while waiting:
-        for rank in sorted(waiting):
-            try:
-                said = json.loads(_marker(directory, rank).read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(said, dict) and said.get("key") == key:
-                waiting.discard(rank)
+        waiting = {rank for rank in waiting
+                   if (read_json_object(_marker(directory, rank)) or {}).get("key") != key}
         if waiting and deadline.expired():
             logger.warning("%s: ranks %s did not load %s ahead within %s; they load at the "
                            "take", where, sorted(waiting), key, deadline)

@@ -300,14 +300,15 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
                                       remote.timeout, new_session=new_session,
                                       **_relaying(remote, relays))
 
-    def _load_ahead(self, local: int) -> int | None:
+    def _load_ahead(self, local: int) -> bool:
         """In the background: the receiver applies staged ``local``, its reload filling the
-        shadow (``LoadAhead.target``); the version now loaded ahead (None: a session's first
-        version, which its take loads)."""
+        shadow (``LoadAhead.target``); False without a receiver (a session's first version,
+        which its take loads)."""
         receiver, remote = self.receiver, self.remote
         if receiver is None or remote is None:
-            return None
-        return int(receiver.apply_version(local, timeout=remote.timeout))
+            return False
+        receiver.apply_version(local, timeout=remote.timeout)
+        return True
 
     def _wait_loaded_ahead(self, key: str) -> None:
         """On the host's receiver, before the trainer hears ``key`` staged: until every
