@@ -4,11 +4,13 @@ served model. Prints one JSON line of findings."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import threading
 import time
+import weakref
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -26,6 +28,7 @@ def main(work: str) -> None:
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     from weightsync.integrations.vllm.prepared_load import PreparedLoad
 
@@ -65,6 +68,7 @@ def main(work: str) -> None:
     found["versions_differ"] = len({json.dumps(r) for r in reference.values()}) == 3
 
     # v0 served; v1 loads into a shadow in another thread while the engine generates
+    reload_state = len(LAYERWISE_INFO)  # vLLM's per-layer reload state, the served model's
     shadow = PreparedLoad(model, 1)
     loader = threading.Thread(target=shadow.load, args=(v1, model_config))
     during: list[bool] = []
@@ -82,8 +86,14 @@ def main(work: str) -> None:
 
     again = PreparedLoad(model, 2)
     again.load(v2, model_config)
+    shadows = [weakref.ref(module) for _served, module, _before in again.pairs]
     again.swap_in()
     found["swapped_v2_is_vllms_v2"] = generate() == reference["v2"]
+    # nothing of the shadows outlives their swap (each held a version's packed kernels)
+    del shadow, again
+    gc.collect()
+    found["shadows_left"] = sum(ref() is not None for ref in shadows)
+    found["reload_state_added"] = len(LAYERWISE_INFO) - reload_state
     reload(v0)  # vLLM's own reload still works on a model that took swaps
     found["reload_after_swaps_is_vllms_v0"] = generate() == reference["v0"]
     print(json.dumps(found), flush=True)

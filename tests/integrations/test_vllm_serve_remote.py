@@ -166,10 +166,19 @@ def test_streams_keep_generating_and_every_token_names_its_weights(
     # labels only go up, across the two trainer sessions too
     flat = [int(label) for labels in sessions for label in labels]
     assert flat == sorted(flat) and len(set(flat)) == len(flat), sessions
-    # vLLM's CPU build: each update was loaded ahead of its take (``load_ahead``), so the
-    # take only swapped it in; a session's first version is loaded at its take
-    ahead = re.findall(r"loaded version \d+ ahead", log_since(server, logged))
-    assert len(ahead) == sum(len(labels) - 1 for labels in sessions), ahead
+    # vLLM's CPU build: each version, a session's first included, was loaded ahead of its
+    # take (``load_ahead``), so the take only swapped it in
+    log = log_since(server, logged)
+    ahead = re.findall(r"loaded version \d+ ahead", log)
+    assert len(ahead) == sum(len(labels) for labels in sessions), ahead
+    # ... on the cores no worker is bound to (``spare_cores``), where threads of the worker run
+    bound = server.worker_cores()
+    if bound and set(range(os.cpu_count() or 1)) - bound:
+        spare = re.findall(r"staging and loading ahead on CPUs \[([\d, ]+)\]", log)
+        assert spare, "the worker never said where it stages"
+        cores = frozenset(int(c) for c in spare[0].split(","))
+        assert cores and not cores & bound, (cores, bound)
+        assert cores in server.thread_cores(), (cores, server.thread_cores())
     # every token: its label is a version, and that version's logprob is vLLM's
     samples = streams.samples
     assert all(s.finish_reason == "length" for s in samples)
@@ -418,7 +427,8 @@ def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server:
         assert not problems, "\n".join(problems[:20])
         assert any(len(set(s.labels)) > 1 for s in streams.samples)
         ahead = re.findall(r"worker (\d) on \S+: loaded version \d+ ahead", log_since(tp, 0))
-        assert sorted(ahead) == ["0", "0", "1", "1"], ahead  # both updates, on both ranks
+        # the first version and both updates, on both ranks
+        assert sorted(ahead) == ["0", "0", "0", "1", "1", "1"], ahead
     finally:
         tp.stop()
         logs.close()

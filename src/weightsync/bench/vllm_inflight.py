@@ -8,17 +8,23 @@ while the trainer sends a version every few seconds (full, then deltas, then vLL
   a memcpy of the served bytes measured in the same run;
 * tokens/s with the updates, as a ratio to the baseline;
 * the server host's staging memory (its private ``/dev/shm``) against the served bytes.
+
+Both hosts share this machine's CPUs. On a cluster the trainer has machines of its own, so
+here it keeps off the cores the server's engine workers are bound to (``off_cores``); the
+server's host keeps the cores vLLM leaves to its scheduler and API server, where
+weightsync's staging and loads ahead run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +52,9 @@ class Arrivals:
 
     def tokens(self) -> int:
         return sum(n for stream in self.chunks for _, n in stream)
+
+    def tokens_between(self, start: float, end: float) -> int:
+        return sum(n for stream in self.chunks for t, n in stream if start <= t <= end)
 
     def stream_gaps(self) -> list[float]:
         """Gaps between consecutive chunks of each stream."""
@@ -118,6 +127,9 @@ class InFlight:
     served_bytes: int
     baseline_p99_gap: float = 0.0
     baseline_tps: float = 0.0
+    baseline_runs: list[float] = field(default_factory=list)  # before and after the updates
+    #: per update kind, the mean time from one update's start to the next
+    periods: dict[str, float] = field(default_factory=dict)
     stalls: dict[str, list[float]] = field(default_factory=dict)
     takes: dict[str, list[float]] = field(default_factory=dict)
     #: per update kind, each step of the takes (pause, load, label, reset, resume)
@@ -127,6 +139,33 @@ class InFlight:
     memcpy: float = 0.0
     staging_bytes: int = 0
     failures: list[str] = field(default_factory=list)
+    engine_cores: frozenset[int] = frozenset()  # the server's workers' (the trainer's: others)
+
+
+@contextlib.contextmanager
+def off_cores(cores: frozenset[int]) -> Iterator[None]:
+    """Every thread of this process (and those it starts) off ``cores`` while the block
+    runs, torch's intra-op threads as many as the cores left; nothing when none would be
+    left."""
+    rest = frozenset(os.sched_getaffinity(0)) - cores
+    if not cores or not rest:
+        yield
+        return
+    tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    before = {}
+    for tid in tasks:
+        with contextlib.suppress(OSError):
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, rest)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(rest))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for tid, cpus in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
 
 
 def _staging_bytes(server: Any) -> int:
@@ -147,14 +186,17 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], fl
     ``interval`` seconds, under three streams; ``step()`` changes the model like an
     optimizer step; ``make_engine(delta=..., pause=...)`` starts a trainer session."""
     served = sum(p.numel() * p.element_size() for p in model.parameters())
-    out = InFlight(rate, served, memcpy=memcpy_floor(served))
-    if progress:
-        progress(f"vllm-serve in-flight baseline {rate}")
-    with Streams(server.url) as idle:
-        time.sleep(interval * 2)
-    out.baseline_p99_gap = percentile(idle.arrivals.stream_gaps(), 0.99)
-    out.baseline_tps = idle.arrivals.tokens() / (idle.ended - idle.started)
-    out.failures += idle.arrivals.failures
+    out = InFlight(rate, served, memcpy=memcpy_floor(served), engine_cores=server.worker_cores())
+    with off_cores(out.engine_cores):
+        _measure_updates(out, server, step, make_engine, updates, interval, progress)
+    return out
+
+
+def _measure_updates(out: InFlight, server: Any, step: Callable[[], float],
+                     make_engine: Callable[..., Any], updates: int, interval: float,
+                     progress: Callable[[str], None] | None) -> None:
+    rate = out.rate
+    gaps = _baseline(out, server, interval, progress)
     for kind, delta, pause in (("full", False, "keep"), ("delta", True, "keep"),
                                ("pause=wait", True, "wait")):
         if progress:
@@ -163,8 +205,11 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], fl
         windows: list[tuple[float, float]] = []
         try:
             with Streams(server.url) as streams:
-                for _ in range(updates):
-                    time.sleep(interval)
+                tick = streams.started
+                for _ in range(updates):  # one update every ``interval``, or back to back
+                    tick += interval
+                    time.sleep(max(0.0, tick - time.perf_counter()))
+                    tick = max(tick, time.perf_counter())
                     step()
                     started = time.perf_counter()
                     engine.send_weights()
@@ -181,16 +226,34 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], fl
             engine.shutdown()
         merged = streams.arrivals.merged()
         out.stalls[kind] = [longest_stall(merged, a, b) for a, b in windows]
-        out.tps[kind] = streams.arrivals.tokens() / (streams.ended - streams.started)
+        # from the first update's start to the last one's end: only time with updates
+        first, last_end = windows[0][0] - interval, windows[-1][1]
+        out.tps[kind] = streams.arrivals.tokens_between(first, last_end) / (last_end - first)
+        out.periods[kind] = (windows[-1][0] - windows[0][0]) / max(len(windows) - 1, 1)
         out.failures += streams.arrivals.failures
-    return out
+    gaps += _baseline(out, server, interval, progress)
+    out.baseline_p99_gap = percentile(gaps, 0.99)
+    out.baseline_tps = statistics.fmean(out.baseline_runs)
+
+
+def _baseline(out: InFlight, server: Any, interval: float,
+              progress: Callable[[str], None] | None) -> list[float]:
+    """Tokens/s with no update (kept in ``out.baseline_runs``: measured before the updates
+    and after them, as the machine drifts), and the gaps between tokens."""
+    if progress:
+        progress(f"vllm-serve in-flight baseline {out.rate}")
+    with Streams(server.url) as idle:
+        time.sleep(interval * 2)
+    out.baseline_runs.append(idle.arrivals.tokens() / (idle.ended - idle.started))
+    out.failures += idle.arrivals.failures
+    return idle.arrivals.stream_gaps()
 
 
 def in_flight_table(figures: list[InFlight]) -> str:
     """The in-flight figures of every rate, one row per update kind."""
     lines = ["| link | update | longest stall per update: median / max | target | take: "
              "median | x memcpy | take's steps: median | send_weights: median | "
-             "tokens/s x no updates |", "|" + "---|" * 9]
+             "update every | tokens/s x no updates |", "|" + "---|" * 10]
     for f in figures:
         target = 0.25 + f.baseline_p99_gap
         for kind, stalls in f.stalls.items():
@@ -203,10 +266,14 @@ def in_flight_table(figures: list[InFlight]) -> str:
                 + ", ".join(f"{name} {format_duration(statistics.median(values))}"
                             for name, values in f.phases.get(kind, {}).items())
                 + f" | {format_duration(statistics.median(f.sends[kind]))} | "
-                f"{f.tps[kind] / f.baseline_tps:.2f} |")
+                f"{format_duration(f.periods[kind])} | "
+                f"{f.tps[kind]:.0f} ({f.tps[kind] / f.baseline_tps:.2f}) |")
     notes = [f"{f.rate}: baseline p99 gap between tokens {format_duration(f.baseline_p99_gap)}, "
-             f"{f.baseline_tps:.1f} tokens/s with no update; memcpy of the {f.served_bytes / 1e6:.0f}"
+             f"{f.baseline_tps:.1f} tokens/s with no update (before / after the updates: "
+             f"{' / '.join(f'{r:.1f}' for r in f.baseline_runs)}); memcpy of the {f.served_bytes / 1e6:.0f}"
              f" MB served {format_duration(f.memcpy)}; the server host's /dev/shm after the "
              f"updates {f.staging_bytes / 1e6:.0f} MB ({f.staging_bytes / f.served_bytes:.2f}x "
-             f"the served bytes); failed requests: {len(f.failures)}" for f in figures]
+             f"the served bytes); failed requests: {len(f.failures)}; the engine's workers "
+             f"on CPUs {sorted(f.engine_cores) or 'all'}, the trainer off them"
+             for f in figures]
     return "\n".join([*lines, "", *notes]) + "\n"

@@ -147,6 +147,30 @@ class VLLMServer:
         reply.raise_for_status()
         return json.loads(reply.text)["weight_version"]
 
+    def worker_cores(self) -> frozenset[int]:
+        """The CPUs the server's engine workers are bound to (vLLM's CPU build binds each
+        to its OpenMP cores; empty when none is bound)."""
+        if self.proc is None:
+            return frozenset()
+        every = frozenset(os.sched_getaffinity(self.proc.pid))
+        bound: set[int] = set()
+        for pid in _group(self.proc.pid):
+            with contextlib.suppress(OSError):
+                cores = frozenset(os.sched_getaffinity(pid))
+                if cores < every:
+                    bound |= cores
+        return frozenset(bound)
+
+    def thread_cores(self) -> set[frozenset[int]]:
+        """The CPU sets the threads of the server's processes may run on."""
+        found: set[frozenset[int]] = set()
+        for pid in _group(self.proc.pid) if self.proc is not None else []:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        found.add(frozenset(os.sched_getaffinity(int(tid))))
+        return found
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the server's whole process group (its engine core and workers)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -174,8 +198,9 @@ class VLLMServer:
             os.unlink(self.log_path)
 
 
-def _group_alive(pgid: int) -> bool:
-    """True while a process of group ``pgid`` is alive and not a zombie."""
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group ``pgid``."""
+    members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -185,5 +210,10 @@ def _group_alive(pgid: int) -> bool:
         except OSError:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            members.append(int(entry))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a process of group ``pgid`` is alive and not a zombie."""
+    return bool(_group(pgid))

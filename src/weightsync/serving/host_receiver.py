@@ -129,7 +129,10 @@ class HostReceiver:
     """The one receiver of a host: fetches versions and commits them to ``directory`` for
     the engine's ``num_workers`` ranks."""
 
-    def __init__(self, directory: Path, num_workers: int, name: str, timeout: float) -> None:
+    def __init__(self, directory: Path, num_workers: int, name: str, timeout: float, *,
+                 thread_setup: Callable[[], None] | None = None) -> None:
+        """``thread_setup`` runs first on the thread that stages in the background (an
+        engine moves it off the cores it computes on there)."""
         self.directory, self.num_workers, self.timeout = directory, num_workers, timeout
         self.sender: VLLMDoubleBufferWeightSender | None = None
         self.layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what is staged
@@ -139,7 +142,8 @@ class HostReceiver:
         self.sharded = ShardedFetcher(name)
         self.version = -1  # the trainer's number of the version staged last
         self._lock = threading.Lock()  # one stage at a time, in the background or not
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="weightsync-stage")
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="weightsync-stage",
+                                          initializer=thread_setup)
         self._pending: dict[str, Future[int]] = {}  # background stages, by request key
         #: with several servers: serves what this host fetches to the servers after it
         self.relay: HostRelay | None = None
@@ -264,8 +268,18 @@ class HostReceiver:
         return at once (the engine keeps generating while the version travels);
         :meth:`staged` waits for it."""
         self._pending = {k: f for k, f in self._pending.items() if not f.done()}
-        self._pending[key] = self._stager.submit(self.stage, address, token, want, key, timeout,
-                                                 **options)
+        future = self._stager.submit(self.stage, address, token, want, key, timeout, **options)
+        future.add_done_callback(lambda done: self._log_failure(done, want))
+        self._pending[key] = future
+
+    def _log_failure(self, done: Future[int], want: int) -> None:
+        """Say at once why a background stage failed (the trainer hears it too; a take
+        that asks for it later fetches again)."""
+        if done.cancelled() or done.exception() is None:
+            return
+        exc = done.exception()
+        logger.warning("host %s: staging version %d in the background failed: %s: %s",
+                       self.fetcher.name, want, type(exc).__name__, exc, exc_info=exc)
 
     def staged(self, key: str, timeout: float) -> int | None:
         """The local version of the background stage started for ``key`` once it ends, or

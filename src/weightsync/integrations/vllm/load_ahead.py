@@ -22,6 +22,7 @@ import torch
 
 from weightsync.core.deadline import Deadline
 from weightsync.integrations.vllm.prepared_load import PreparedLoad
+from weightsync.integrations.vllm.spare_cores import run_on
 from weightsync.serving.host_receiver import wait_staged
 from weightsync.transports.directory.files import read_json_object, write_json_atomic
 
@@ -48,11 +49,13 @@ class LoadAhead:
     version; :meth:`target` tells the engine's reload to load into a shadow (inside the
     background load); :meth:`take` swaps it in if it holds the version asked for."""
 
-    def __init__(self, model: Any, directory: Path, rank: int, where: str) -> None:
+    def __init__(self, model: Any, directory: Path, rank: int, where: str,
+                 cores: frozenset[int] = frozenset()) -> None:
+        """``cores``: where the loads run (``spare_cores``; empty: where the caller runs)."""
         self.model = model
         self.directory, self.rank, self.where = directory, rank, where
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="weightsync-load-ahead",
-                                          initializer=_one_thread)
+                                          initializer=run_on(cores, _one_thread))
         self._here = threading.local()  # the shadow the background load fills
         self._lock = threading.Lock()
         self._generation = 0

@@ -107,14 +107,25 @@ class PreparedLoad:
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO,
+            get_layerwise_info,
+        )
 
         self.pairs = []
         root = self._shadow(self.model, {}, get_layerwise_info)
-        initialize_layerwise_reload(root)
-        loaded: Any = root  # a vLLM model: load_weights takes (name, tensor) pairs
-        loaded.load_weights(pairs)
-        finalize_layerwise_reload(root, model_config)
+        try:
+            initialize_layerwise_reload(root)
+            loaded: Any = root  # a vLLM model: load_weights takes (name, tensor) pairs
+            loaded.load_weights(pairs)
+            finalize_layerwise_reload(root, model_config)
+        finally:
+            # vLLM keeps each layer's reload state in a weak-keyed table, but the loaders the
+            # reload bound to a shadow layer reference it from there: drop the shadow's
+            # entries, or every shadow (its packed kernels) would live on, a version's worth
+            # of memory per update
+            for _served, shadow, _before in self.pairs:
+                LAYERWISE_INFO.pop(shadow, None)
         self.root = root
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.integrations.vllm.extension import apply_exact
 from weightsync.integrations.vllm.load_ahead import LoadAhead, wait_loaded
 from weightsync.integrations.vllm.loading import EngineLoader, Pairs
+from weightsync.integrations.vllm.spare_cores import run_on, spare_cores
 from weightsync.integrations.vllm.take_lease import TakeLease
 from weightsync.integrations.vllm.worker_config import WeightSyncInitInfo, WeightSyncUpdateInfo
 from weightsync.schemes.double_buffer import (
@@ -104,6 +105,25 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.served = -1  # the version the served model holds (the receiver may be ahead)
         self.ahead: LoadAhead | None = None  # in flight on a CPU: loads ahead of the take
         self.ahead_key = ""  # the stage this host's ranks load ahead (rank 0 waits for them)
+        #: a session's first version: the receiver its load ahead attached, until the take
+        self.receiver_ahead: VLLMDoubleBufferWeightReceiver | None = None
+        self._cores: frozenset[int] | None = None  # where the background threads run
+
+    def _spare_cores(self) -> frozenset[int]:
+        """The CPUs no worker of this engine is bound to, where its staging and loads ahead
+        run (``spare_cores``: found once, on the worker's main thread, where the RPCs
+        run); none on a GPU."""
+        if self._cores is None:
+            self._cores = spare_cores() if self.device.type == "cpu" else frozenset()
+            if self._cores:
+                logger.info("worker %d: staging and loading ahead on CPUs %s, which no "
+                            "worker is bound to", self.worker_idx, sorted(self._cores))
+        return self._cores
+
+    def _host_receiver(self, ranks: int, timeout: float) -> HostReceiver:
+        """This host's receiver, its background stages on the spare cores."""
+        return HostReceiver(self.staging, ranks, self.host_label, timeout,
+                            thread_setup=run_on(self._spare_cores()))
 
     def _loads_ahead(self) -> bool:
         """Whether staged versions are loaded into a shadow ahead of the take: on vLLM's
@@ -150,8 +170,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
             where = f"vLLM worker {idx} on {self.host_label}"
             if _is_host_receiver():
                 if self.host is None:
-                    self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
-                                             init_info.timeout)
+                    self.host = self._host_receiver(self._local_ranks(), init_info.timeout)
                 key = request_key(init_info.token, f"init/{init_info.ticket}")
                 local = self.host.stage(_trainer(init_info), init_info.token, None, key,
                                         init_info.timeout, new_session=True,
@@ -212,7 +231,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         if self.host is not None:
             self.host.close()
         files.forget(self.staging)
-        self.host = HostReceiver(self.staging, 1, self.host_label, init_info.timeout)
+        self.host = self._host_receiver(1, init_info.timeout)
         key = request_key(init_info.token, f"init/{init_info.ticket}")
         local = self.host.stage(init_info.address, init_info.token, None, key, init_info.timeout)
         files.stage(self.staging, init_info.timeout, expect=local, label=self.host.version)
@@ -281,34 +300,44 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         """In-flight: this host's receiver (local rank 0) starts fetching and staging
         ``version`` in the background (from ``relays`` first: other servers' hosts); the
         other ranks have nothing to do yet, or load it ahead of the take once it is staged
-        (``LoadAhead``: every rank, after the session's first version)."""
+        (``LoadAhead``: every rank, a session's first version included)."""
         key = request_key(remote.token, f"version/{version}")
         self.ahead_key = ""
-        if self.receiver is not None and self._loads_ahead():
+        if self._loads_ahead():
             if self.ahead is None:
                 self.ahead = LoadAhead(self.model, self.staging, self.worker_idx,
-                                       f"vLLM worker {self.worker_idx} on {self.host_label}")
-            self.ahead.start(key, remote.timeout, self._load_ahead)
+                                       f"vLLM worker {self.worker_idx} on {self.host_label}",
+                                       self._spare_cores())
+            self.ahead.start(key, remote.timeout, lambda local: self._load_ahead(remote, local))
             self.ahead_key = key
         if not _is_host_receiver():
             return
         if self.host is None:
-            self.host = HostReceiver(self.staging, self._local_ranks(), self.host_label,
-                                     remote.timeout)
+            self.host = self._host_receiver(self._local_ranks(), remote.timeout)
         self.host.after_commit = self._wait_loaded_ahead
         self.host.stage_in_background(_trainer(remote), remote.token, version, key,
                                       remote.timeout, new_session=new_session,
                                       **_relaying(remote, relays))
 
-    def _load_ahead(self, local: int) -> bool:
+    def _load_ahead(self, remote: WeightSyncInitInfo, local: int) -> bool:
         """In the background: the receiver applies staged ``local``, its reload filling the
-        shadow (``LoadAhead.target``); False without a receiver (a session's first version,
-        which its take loads)."""
-        receiver, remote = self.receiver, self.remote
-        if receiver is None or remote is None:
-            return False
-        receiver.apply_version(local, timeout=remote.timeout)
+        shadow (``LoadAhead.target``). A session's first version has no receiver yet: one
+        attaches here, its connect loading the staged version into the shadow, and the
+        take adopts it (``receiver_ahead``)."""
+        receiver = self.receiver
+        if receiver is None:
+            self._close_receiver_ahead()
+            receiver = self.receiver_ahead = self._attach(
+                str(self.staging), self._local_ranks(), remote.timeout, remote.address)
+        if receiver.version != local:
+            receiver.apply_version(local, timeout=remote.timeout)
         return True
+
+    def _close_receiver_ahead(self) -> None:
+        """Close a receiver attached ahead that no take adopted."""
+        receiver, self.receiver_ahead = self.receiver_ahead, None
+        if receiver is not None:
+            receiver.close()
 
     def _wait_loaded_ahead(self, key: str) -> None:
         """On the host's receiver, before the trainer hears ``key`` staged: until every
@@ -359,8 +388,11 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         else:
             local = wait_staged(self.staging, key, timeout, where)
         if self.ahead is not None and self.ahead.take(key, local, timeout):
+            if self.receiver is None:  # a session's first version: its receiver came ahead
+                self.receiver, self.receiver_ahead = self.receiver_ahead, None
             self.served = local  # loaded ahead, swapped in
             return
+        self._close_receiver_ahead()
         receiver = self.receiver
         if receiver is None:  # an in-flight init: the first version it staged
             receiver = self.receiver = self._attach(str(self.staging), self._local_ranks(),
@@ -385,6 +417,7 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         (``close`` removes it with the engine)."""
         if self.ahead is not None:
             self.ahead.drop()
+        self._close_receiver_ahead()
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
