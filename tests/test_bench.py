@@ -179,11 +179,13 @@ def test_the_in_flight_stall_is_the_longest_silence_around_an_update():
     figures = InFlight("1gbit", 400_000_000, baseline_p99_gap=0.05, baseline_tps=100.0,
                        stalls={"full": [0.2, 0.3]}, takes={"full": [0.15]},
                        phases={"full": {"load": [0.1], "resume": [0.01]}},
-                       sends={"full": [2.0]}, tps={"full": 95.0}, memcpy=0.05)
+                       sends={"full": [2.0]}, tps={"full": 95.0}, memcpy=0.05,
+                       periods={"full": 5.5}, baseline_runs=[90.0, 110.0])
     table = in_flight_table([figures])
     row = "| 1gbit | full | 250 ms / 300 ms | 300 ms | 150 ms | 3.0 | load 100 ms, resume 10.0 ms |"
     assert row in table, table
-    assert "0.95 |" in table
+    assert "| 5.5 s | 95 (0.95) |" in table, table  # the cadence reached, tokens/s and ratio
+    assert "before / after the updates: 90.0 / 110.0" in table, table
 
 
 def test_checksum_bench_script_prints_both_functions_side_by_side():

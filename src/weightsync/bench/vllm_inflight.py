@@ -273,7 +273,8 @@ def in_flight_table(figures: list[InFlight]) -> str:
              f"{' / '.join(f'{r:.1f}' for r in f.baseline_runs)}); memcpy of the {f.served_bytes / 1e6:.0f}"
              f" MB served {format_duration(f.memcpy)}; the server host's /dev/shm after the "
              f"updates {f.staging_bytes / 1e6:.0f} MB ({f.staging_bytes / f.served_bytes:.2f}x "
-             f"the served bytes); failed requests: {len(f.failures)}; the engine's workers "
-             f"on CPUs {sorted(f.engine_cores) or 'all'}, the trainer off them"
+             f"the served bytes); failed requests: {len(f.failures)}; "
+             + (f"the engine's workers on CPUs {sorted(f.engine_cores)}, the trainer off them"
+                if f.engine_cores else "the engine's workers not bound to CPUs")
              for f in figures]
     return "\n".join([*lines, "", *notes]) + "\n"
