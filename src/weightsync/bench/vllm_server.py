@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightsync.core.liveness import process_stat
+
 #: the ``src`` directory this weightsync is imported from: the server imports the same one
 SRC = str(Path(__file__).resolve().parents[2])
 START_TIMEOUT = 240.0
@@ -152,14 +154,9 @@ class VLLMServer:
         to its OpenMP cores; empty when none is bound)."""
         if self.proc is None:
             return frozenset()
-        every = frozenset(os.sched_getaffinity(self.proc.pid))
-        bound: set[int] = set()
-        for pid in _group(self.proc.pid):
-            with contextlib.suppress(OSError):
-                cores = frozenset(os.sched_getaffinity(pid))
-                if cores < every:
-                    bound |= cores
-        return frozenset(bound)
+        from weightsync.integrations.vllm.spare_cores import bound_cores
+
+        return bound_cores(_group(self.proc.pid), frozenset(os.sched_getaffinity(self.proc.pid)))
 
     def thread_cores(self) -> set[frozenset[int]]:
         """The CPU sets the threads of the server's processes may run on."""
@@ -204,12 +201,8 @@ def _group(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        fields = process_stat(int(entry))
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry))
     return members
 

@@ -29,6 +29,18 @@ def _stat_says_dying(stat: bytes) -> bool:
         return False
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from the third on (state, parent, process group,
+    ...), past the name, which may hold spaces and parentheses; None if it is gone or
+    unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].decode(errors="replace").split()
+
+
 def process_dying(pid: int) -> bool:
     """True if ``pid`` is gone, a zombie, exiting, or has SIGKILL pending (Linux /proc).
 

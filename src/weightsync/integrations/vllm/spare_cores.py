@@ -13,21 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+
+from weightsync.core.liveness import process_stat
 
 logger = logging.getLogger(__name__)
-
-
-def _parent_of(pid: str) -> int | None:
-    """The parent of process ``pid`` (None if it is gone or unreadable)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": the name may hold spaces and parentheses
-    fields = stat.rsplit(")", 1)[-1].split()
-    return int(fields[1]) if len(fields) > 1 else None
 
 
 def _siblings() -> Iterator[int]:
@@ -35,15 +25,25 @@ def _siblings() -> Iterator[int]:
     child of that parent)."""
     me, parent = os.getpid(), os.getppid()
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != me and _parent_of(entry.name) == parent:
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        stat = process_stat(int(entry.name))
+        if stat is not None and len(stat) > 1 and int(stat[1]) == parent:
             yield int(entry.name)
 
 
-def _affinity(pid: int) -> frozenset[int]:
-    try:
-        return frozenset(os.sched_getaffinity(pid))
-    except OSError:  # gone, or not ours to read
-        return frozenset()
+def bound_cores(pids: Iterable[int], allowed: frozenset[int]) -> frozenset[int]:
+    """The CPUs that those of ``pids`` bound to fewer CPUs than ``allowed`` are bound to
+    (vLLM's workers; a helper process left every CPU is not bound)."""
+    bound: set[int] = set()
+    for pid in pids:
+        try:
+            theirs = frozenset(os.sched_getaffinity(pid))
+        except OSError:  # gone, or not ours to read
+            continue
+        if theirs < allowed:
+            bound |= theirs
+    return frozenset(bound)
 
 
 def spare_cores() -> frozenset[int]:
@@ -52,16 +52,14 @@ def spare_cores() -> frozenset[int]:
     a worker's main thread, whose affinity is the worker's binding."""
     if not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc"):
         return frozenset()
-    allowed = _affinity(os.getppid())
+    try:
+        allowed = frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        return frozenset()
     mine = frozenset(os.sched_getaffinity(0))
-    if not allowed or mine >= allowed:
+    if mine >= allowed:
         return frozenset()  # not bound: the scheduler shares every core already
-    bound = set(mine)
-    for pid in _siblings():
-        theirs = _affinity(pid)
-        if theirs and theirs < allowed:  # a bound worker (an unbound helper has them all)
-            bound |= theirs
-    return frozenset(allowed - bound)
+    return allowed - mine - bound_cores(_siblings(), allowed)
 
 
 def run_on(cores: frozenset[int], then: Callable[[], None] | None = None
