@@ -67,7 +67,11 @@ def main(work: str) -> None:
         reference[name] = generate()
     found["versions_differ"] = len({json.dumps(r) for r in reference.values()}) == 3
 
-    # v0 served; v1 loads into a shadow in another thread while the engine generates
+    # v0 served; v1 loads into a shadow in another thread while the engine generates.
+    # Python's cyclic collector stays off from here: what a swap retires must be freed by
+    # reference counting alone, as soon as it is dropped (a server swapping every few
+    # seconds cannot wait for a collection while versions pile up)
+    gc.disable()
     reload_state = len(LAYERWISE_INFO)  # vLLM's per-layer reload state, the served model's
     shadow = PreparedLoad(model, 1)
     loader = threading.Thread(target=shadow.load, args=(v1, model_config))
@@ -87,13 +91,24 @@ def main(work: str) -> None:
     again = PreparedLoad(model, 2)
     again.load(v2, model_config)
     shadows = [weakref.ref(module) for _served, module, _before in again.pairs]
+    # the kernels v1 is served with (its shadow's, swapped in): v2's swap retires them
+    kernels = [weakref.ref(module.__dict__["cpu_linear"]) for module in model.modules()
+               if "cpu_linear" in module.__dict__]
     again.swap_in()
     found["swapped_v2_is_vllms_v2"] = generate() == reference["v2"]
-    # nothing of the shadows outlives their swap (each held a version's packed kernels)
-    del shadow, again
-    gc.collect()
+    found["kernels"] = len(kernels)
+    found["retired_kernels_left"] = sum(ref() is not None for ref in kernels)
+    # a shadow loaded and never swapped in (a version superseded before its take)
+    dropped = PreparedLoad(model, 0)
+    dropped.load(v0, model_config)
+    shadows += [weakref.ref(module) for _served, module, _before in dropped.pairs]
+    dropped.release()
+    # nothing of the shadows outlives their swap or release (each held a version's weights
+    # and packed kernels)
+    del shadow, again, dropped
     found["shadows_left"] = sum(ref() is not None for ref in shadows)
     found["reload_state_added"] = len(LAYERWISE_INFO) - reload_state
+    gc.enable()
     reload(v0)  # vLLM's own reload still works on a model that took swaps
     found["reload_after_swaps_is_vllms_v0"] = generate() == reference["v0"]
     print(json.dumps(found), flush=True)

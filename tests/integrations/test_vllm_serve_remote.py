@@ -51,9 +51,9 @@ def hosts() -> Iterator[TwoHostCluster]:
 def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
     """``vllm serve`` on host B (it boots from its own copy of the tiny Llama), with the
     token-in-token-out endpoint (its per-token labels), logging weightsync's INFO lines."""
-    with weightsync_info_logs() as env:  # loads ahead of the take on (opt-in)
+    with weightsync_info_logs() as env:  # loads ahead of the take (the CPU default)
         yield from serve_on_host_b(hosts, "ws-vllm-remote-", extra=("--enable-scale-out",),
-                                   env={**env, "WEIGHTSYNC_VLLM_LOAD_AHEAD": "1"})
+                                   env=env)
 
 
 def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
@@ -326,8 +326,10 @@ def _sample(url: str) -> Sample | BaseException:
 
 @pytest.fixture(scope="module")
 def second_server(hosts: TwoHostCluster, server: VLLMServer) -> Iterator[VLLMServer]:
-    """A second ``vllm serve`` on host B (a data-parallel replica, with its own /dev/shm)."""
-    served = VLLMServer(server.model_dir, host=ADDRESS_B, port=8001, netns=hosts.ns_b)
+    """A second ``vllm serve`` on host B (a data-parallel replica, with its own /dev/shm),
+    its load ahead of the take off: its takes load the staged version themselves."""
+    served = VLLMServer(server.model_dir, host=ADDRESS_B, port=8001, netns=hosts.ns_b,
+                        env={"WEIGHTSYNC_VLLM_LOAD_AHEAD": "0"})
     try:
         served.start().wait_ready()
         yield served
@@ -402,7 +404,7 @@ def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server:
     logs = contextlib.ExitStack()
     tp = VLLMServer(server.model_dir, host=ADDRESS_B, port=8002, netns=hosts.ns_b,
                     extra=("--tensor-parallel-size", "2", "--enable-scale-out"),
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "WEIGHTSYNC_VLLM_LOAD_AHEAD": "1",
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
                          **logs.enter_context(weightsync_info_logs())})
     try:
         tp.start().wait_ready()

@@ -6,7 +6,8 @@ while the trainer sends a version every few seconds (full, then deltas, then vLL
 * per update kind, the longest time with no token on any stream around each update;
 * the take alone (the server's pause to resume, ``stats()["last"]["take_seconds"]``) against
   a memcpy of the served bytes measured in the same run;
-* tokens/s with the updates, as a ratio to the baseline;
+* tokens/s with the updates, as a ratio to the baselines measured just before and after
+  that kind of update (this machine's speed drifts within a run);
 * the server host's staging memory (its private ``/dev/shm``) against the served bytes.
 
 Both hosts share this machine's CPUs. On a cluster the trainer has machines of its own, so
@@ -50,11 +51,13 @@ class Arrivals:
     def merged(self) -> list[float]:
         return sorted(t for stream in self.chunks for t, _ in stream)
 
-    def tokens(self) -> int:
-        return sum(n for stream in self.chunks for _, n in stream)
-
     def tokens_between(self, start: float, end: float) -> int:
         return sum(n for stream in self.chunks for t, n in stream if start <= t <= end)
+
+    def rate(self, start: float, end: float) -> float:
+        """Tokens per second that arrived from ``start`` to ``end``: what the streams'
+        requests still produce after ``end`` (they run to their end) is not counted."""
+        return self.tokens_between(start, end) / (end - start)
 
     def stream_gaps(self) -> list[float]:
         """Gaps between consecutive chunks of each stream."""
@@ -127,7 +130,11 @@ class InFlight:
     served_bytes: int
     baseline_p99_gap: float = 0.0
     baseline_tps: float = 0.0
-    baseline_runs: list[float] = field(default_factory=list)  # before and after the updates
+    #: tokens/s with no update, measured before the updates, between kinds and after them
+    baseline_runs: list[float] = field(default_factory=list)
+    #: per update kind, the no-update tokens/s around it (the runs just before and after):
+    #: its ratio's denominator, as this machine's speed drifts within a run
+    baseline_around: dict[str, float] = field(default_factory=dict)
     #: per update kind, the mean time from one update's start to the next
     periods: dict[str, float] = field(default_factory=dict)
     stalls: dict[str, list[float]] = field(default_factory=dict)
@@ -228,23 +235,25 @@ def _measure_updates(out: InFlight, server: Any, step: Callable[[], float],
         out.stalls[kind] = [longest_stall(merged, a, b) for a, b in windows]
         # from the first update's start to the last one's end: only time with updates
         first, last_end = windows[0][0] - interval, windows[-1][1]
-        out.tps[kind] = streams.arrivals.tokens_between(first, last_end) / (last_end - first)
+        out.tps[kind] = streams.arrivals.rate(first, last_end)
         out.periods[kind] = (windows[-1][0] - windows[0][0]) / max(len(windows) - 1, 1)
         out.failures += streams.arrivals.failures
-    gaps += _baseline(out, server, interval, progress)
+        gaps += _baseline(out, server, interval, progress)
+        out.baseline_around[kind] = statistics.fmean(out.baseline_runs[-2:])
     out.baseline_p99_gap = percentile(gaps, 0.99)
     out.baseline_tps = statistics.fmean(out.baseline_runs)
 
 
 def _baseline(out: InFlight, server: Any, interval: float,
               progress: Callable[[str], None] | None) -> list[float]:
-    """Tokens/s with no update (kept in ``out.baseline_runs``: measured before the updates
-    and after them, as the machine drifts), and the gaps between tokens."""
+    """Tokens/s with no update (kept in ``out.baseline_runs``: measured before the updates,
+    between their kinds and after them, as the machine drifts), and the gaps between
+    tokens."""
     if progress:
         progress(f"vllm-serve in-flight baseline {out.rate}")
     with Streams(server.url) as idle:
         time.sleep(interval * 2)
-    out.baseline_runs.append(idle.arrivals.tokens() / (idle.ended - idle.started))
+    out.baseline_runs.append(idle.arrivals.rate(idle.started, idle.ended))
     out.failures += idle.arrivals.failures
     return idle.arrivals.stream_gaps()
 
@@ -267,10 +276,11 @@ def in_flight_table(figures: list[InFlight]) -> str:
                             for name, values in f.phases.get(kind, {}).items())
                 + f" | {format_duration(statistics.median(f.sends[kind]))} | "
                 f"{format_duration(f.periods[kind])} | "
-                f"{f.tps[kind]:.0f} ({f.tps[kind] / f.baseline_tps:.2f}) |")
+                f"{f.tps[kind]:.0f} ({f.tps[kind] / f.baseline_around.get(kind, f.baseline_tps):.2f}) |")
     notes = [f"{f.rate}: baseline p99 gap between tokens {format_duration(f.baseline_p99_gap)}, "
-             f"{f.baseline_tps:.1f} tokens/s with no update (before / after the updates: "
-             f"{' / '.join(f'{r:.1f}' for r in f.baseline_runs)}); memcpy of the {f.served_bytes / 1e6:.0f}"
+             f"{f.baseline_tps:.1f} tokens/s with no update (before, between and after the "
+             f"kinds of updates: {' / '.join(f'{r:.1f}' for r in f.baseline_runs)}; each "
+             f"kind's ratio is to the two runs around it); memcpy of the {f.served_bytes / 1e6:.0f}"
              f" MB served {format_duration(f.memcpy)}; the server host's /dev/shm after the "
              f"updates {f.staging_bytes / 1e6:.0f} MB ({f.staging_bytes / f.served_bytes:.2f}x "
              f"the served bytes); failed requests: {len(f.failures)}; "

@@ -69,7 +69,8 @@ class LoadAhead:
         if it could not load ahead."""
         with self._lock:
             self._generation += 1
-            generation, self._prepared = self._generation, None
+            generation = self._generation
+            self._release_prepared()
             self._job = (key, self._worker.submit(self._load, generation, key, timeout, load))
 
     def _load(self, generation: int, key: str, timeout: float,
@@ -84,12 +85,16 @@ class LoadAhead:
             started = time.perf_counter()
             try:
                 if not load(local) or shadow.root is None:
+                    shadow.release()
                     return
             finally:
                 self._here.shadow = None
             with self._lock:
                 if generation == self._generation:
                     self._prepared, loaded = shadow, True
+            if not loaded:  # superseded while it loaded
+                shadow.release()
+                return
             logger.info("%s: loaded version %d ahead in %.3fs", self.where, local,
                         time.perf_counter() - started)
         except Exception as exc:  # the take loads it instead
@@ -121,6 +126,8 @@ class LoadAhead:
         with self._lock:
             prepared, self._prepared, self._job = self._prepared, None, None
         if prepared is None or prepared.label != version:
+            if prepared is not None:
+                prepared.release()
             return False
         retired = prepared.swap_in()
         self._worker.submit(retired.clear)  # free the old kernels off the engine's path
@@ -130,7 +137,14 @@ class LoadAhead:
         """Forget what was loaded ahead (the session ends or its versions change hands)."""
         with self._lock:
             self._generation += 1
-            self._prepared, self._job = None, None
+            self._release_prepared()
+            self._job = None
+
+    def _release_prepared(self) -> None:
+        """Free a shadow no take will swap in (under the lock)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared.release()
 
     def close(self) -> None:
         self.drop()

@@ -114,19 +114,37 @@ class PreparedLoad:
 
         self.pairs = []
         root = self._shadow(self.model, {}, get_layerwise_info)
+        loaded_all = False
         try:
             initialize_layerwise_reload(root)
             loaded: Any = root  # a vLLM model: load_weights takes (name, tensor) pairs
             loaded.load_weights(pairs)
             finalize_layerwise_reload(root, model_config)
+            loaded_all = True
         finally:
             # vLLM keeps each layer's reload state in a weak-keyed table, but the loaders the
             # reload bound to a shadow layer reference it from there: drop the shadow's
             # entries, or every shadow (its packed kernels) would live on, a version's worth
             # of memory per update
             for _served, shadow, _before in self.pairs:
-                LAYERWISE_INFO.pop(shadow, None)
+                state = LAYERWISE_INFO.pop(shadow, None)
+                if state is not None:  # its meta tensors' wrapped loaders point back at it
+                    state.restore_metadata = ({}, {})
+                    state.reset()
+            if not loaded_all:
+                self.release()
         self.root = root
+
+    def release(self) -> None:
+        """Free the shadow now, whether it was swapped in or not. A shadow is full of
+        reference cycles (its parameters' loaders are bound to its modules), so without this
+        it would wait for Python's cyclic collector, holding a version's weights and packed
+        kernels: on a server taking a version every few seconds, several versions' worth of
+        memory at a time. Emptying each shadow module breaks every cycle through it."""
+        for _served, shadow, before in self.pairs:
+            shadow.__dict__.clear()
+            before.clear()
+        self.pairs, self.root = [], None
 
     @torch.no_grad()
     def swap_in(self) -> list[Any]:
@@ -152,7 +170,7 @@ class PreparedLoad:
                     continue
                 retired.append(served.__dict__.get(name))
                 served.__dict__[name] = value
-        self.pairs, self.root = [], None
+        self.release()  # the served model holds what it needs of the shadow: its data, kernels
         return retired
 
 

@@ -128,10 +128,10 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
     def _loads_ahead(self) -> bool:
         """Whether staged versions are loaded into a shadow ahead of the take: on vLLM's
         CPU build, where a load re-packs every layer (on a GPU it is a device copy, and a
-        shadow would double the weights' device memory), when ``WEIGHTSYNC_VLLM_LOAD_AHEAD=1``.
-        Off by default: with it, a worker's native memory grows by about 0.2 GB per update
-        of a 400 MB model (not found yet), which a long run cannot afford."""
-        return self.device.type == "cpu" and os.environ.get("WEIGHTSYNC_VLLM_LOAD_AHEAD") == "1"
+        shadow would double the weights' device memory), unless the server's environment
+        says ``WEIGHTSYNC_VLLM_LOAD_AHEAD=0`` (the take then loads the staged version: the
+        engine stops for the re-pack, and a shadow's memory is saved)."""
+        return self.device.type == "cpu" and os.environ.get("WEIGHTSYNC_VLLM_LOAD_AHEAD") != "0"
 
     def _reload(self, pairs: Pairs) -> None:
         shadow = None if self.ahead is None else self.ahead.target()
