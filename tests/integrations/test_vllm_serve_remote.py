@@ -287,6 +287,9 @@ def test_a_take_whose_trainer_died_inside_is_finished_by_the_server(
     trainer owed, empties its prefix cache and resumes. A request made while it is paused
     waits and completes, every token labelled with that version. (Each step the lease may
     be left at: test_take_lease.py.)"""
+    # a fresh server compiles its sampler at its first sampled request (longer than the
+    # polls below wait on this VM): run alone, this test warms it first
+    assert isinstance(_sample(server.url), Sample)
     env = os.environ | vm.ENGINE_ENV | {
         "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), SRC])}
     script = os.path.join(os.path.dirname(__file__), "vllm_remote_trainer.py")
