@@ -30,7 +30,7 @@ def main(work: str) -> None:
     )
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    from weightsync.integrations.vllm.prepared_load import PreparedLoad
+    from weightsync.integrations.vllm.prepared_load import PreparedLoad, SparePool
 
     # tied embeddings: a tensor two modules share must stay one in the shadow
     kwargs = vm.engine_kwargs(vm.save_model(vm.build_model(tie_word_embeddings=True),
@@ -85,11 +85,33 @@ def main(work: str) -> None:
     started = time.perf_counter()
     retired = shadow.swap_in()
     found["swap_seconds"] = time.perf_counter() - started
+    # v0's weights, retired, are where the next shadow's copies go (no new memory)
+    spares = SparePool(retired, served=model)
     del retired
     found["swapped_v1_is_vllms_v1"] = generate() == reference["v1"]
+    served_storage = {t.untyped_storage().data_ptr()
+                      for t in (*model.parameters(), *model.buffers())}
+    spare_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                   for spares_of_shape in spares._free.values() for t in spares_of_shape}
+    spare_storage = set(spare_bytes)
+    found["spares"] = len(spares)
+    found["spare_bytes"] = sum(spare_bytes.values())
+    found["spares_hold_none_served"] = not (served_storage & spare_storage)
 
-    again = PreparedLoad(model, 2)
-    again.load(v2, model_config)
+    again = PreparedLoad(model, 2, spares)
+    del spares
+    loader = threading.Thread(target=again.load, args=(v2, model_config))
+    during = []
+    loader.start()
+    while loader.is_alive() or not during:  # v0's old memory is written, v1 served
+        during.append(generate() == reference["v1"])
+    loader.join()
+    found["served_untouched_while_loading_into_spares"] = all(during)
+    shadow_storage = {t.untyped_storage().data_ptr() for _served, module, _before in again.pairs
+                      for t in (*module._parameters.values(), *module._buffers.values())
+                      if t is not None}
+    # (a few scalars, attention scales, are made anew when vLLM finalizes the layer)
+    found["spare_bytes_reused"] = sum(spare_bytes[p] for p in shadow_storage & spare_storage)
     shadows = [weakref.ref(module) for _served, module, _before in again.pairs]
     # the kernels v1 is served with (its shadow's, swapped in): v2's swap retires them
     kernels = [weakref.ref(module.__dict__["cpu_linear"]) for module in model.modules()

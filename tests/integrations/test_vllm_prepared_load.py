@@ -32,6 +32,11 @@ def test_a_version_loaded_in_a_shadow_and_swapped_in_is_vllms_reload_of_it():
     assert found["generations_while_loading"] >= 1, found
     assert found["swapped_v1_is_vllms_v1"], found
     assert found["swapped_v2_is_vllms_v2"], found
+    # the second shadow wrote its copies into the weights the first swap retired, never
+    # into what the engine served meanwhile
+    assert found["spares"] > 0 and found["spares_hold_none_served"], found
+    assert found["served_untouched_while_loading_into_spares"], found
+    assert found["spare_bytes_reused"] >= 0.99 * found["spare_bytes"], found
     assert found["reload_after_swaps_is_vllms_v0"], found
     # a shadow is freed with its swap or release, by reference counting (the check runs
     # with the cyclic collector off): none of its modules, nor vLLM's reload state for

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from weightsync.core.deadline import Deadline
-from weightsync.integrations.vllm.prepared_load import PreparedLoad
+from weightsync.integrations.vllm.prepared_load import PreparedLoad, SparePool
 from weightsync.integrations.vllm.spare_cores import run_on
 from weightsync.serving.host_receiver import wait_staged
 from weightsync.transports.directory.files import read_json_object, write_json_atomic
@@ -61,6 +61,8 @@ class LoadAhead:
         self._generation = 0
         self._job: tuple[str, Future[None]] | None = None  # (request key, its load)
         self._prepared: PreparedLoad | None = None
+        #: what the last swap retired: the next shadow's copies are written there
+        self._spares = SparePool()
 
     # ------------------------------------------------------------------ background
     def start(self, key: str, timeout: float, load: Callable[[int], bool]) -> None:
@@ -80,7 +82,9 @@ class LoadAhead:
             local = wait_staged(self.directory, key, timeout, self.where)
             if generation != self._generation:
                 return
-            shadow = PreparedLoad(self.model, local)
+            with self._lock:
+                spares, self._spares = self._spares, SparePool()
+            shadow = PreparedLoad(self.model, local, spares)
             self._here.shadow = shadow
             started = time.perf_counter()
             try:
@@ -130,7 +134,9 @@ class LoadAhead:
                 prepared.release()
             return False
         retired = prepared.swap_in()
-        self._worker.submit(retired.clear)  # free the old kernels off the engine's path
+        with self._lock:  # the old weights are the next shadow's; the rest is freed
+            self._spares = SparePool(retired, served=self.model)
+        self._worker.submit(retired.clear)  # off the engine's path: the old kernels
         return True
 
     def drop(self) -> None:
@@ -139,6 +145,7 @@ class LoadAhead:
             self._generation += 1
             self._release_prepared()
             self._job = None
+            self._spares = SparePool()
 
     def _release_prepared(self) -> None:
         """Free a shadow no take will swap in (under the lock)."""

@@ -30,11 +30,57 @@ _RELOAD_WRAPPER = "online_process_loader"
 _TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 
-def _copy_tensor(tensor: torch.Tensor, made: dict[int, Any]) -> torch.Tensor:
+_Shape = tuple[torch.dtype, torch.device, tuple[int, ...], tuple[int, ...]]
+
+
+def _shape_of(tensor: torch.Tensor) -> _Shape:
+    return tensor.dtype, tensor.device, tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    """``tensor`` is the whole of its storage, densely: writing it touches nothing else."""
+    return (tensor.numel() > 0 and tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+class SparePool:
+    """Tensors a swap retired (the previous version's weights), written again by the next
+    shadow instead of new memory: fresh pages cost a page fault each, zeroed by the kernel,
+    about a second of a core per version of 400 MB on a virtual machine. Only tensors that
+    own their whole storage are kept."""
+
+    def __init__(self, tensors: list[Any] | tuple[Any, ...] = (),
+                 served: torch.nn.Module | None = None) -> None:
+        """Keeps those of ``tensors`` that own their storage, each storage once, and none
+        that ``served`` (the model the engine runs) still holds."""
+        self._free: dict[_Shape, list[torch.Tensor]] = {}
+        taken = set() if served is None else {
+            t.untyped_storage().data_ptr()
+            for t in (*served.parameters(), *served.buffers())}
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not _owns_its_storage(tensor):
+                continue
+            where = tensor.untyped_storage().data_ptr()
+            if where not in taken:
+                taken.add(where)
+                self._free.setdefault(_shape_of(tensor), []).append(tensor.detach())
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in a retired tensor of its shape, or in new memory."""
+        spares = self._free.get(_shape_of(tensor))
+        if not spares:
+            return tensor.detach().clone()
+        return spares.pop().copy_(tensor.detach())
+
+    def __len__(self) -> int:
+        return sum(len(spares) for spares in self._free.values())
+
+
+def _copy_tensor(tensor: torch.Tensor, made: dict[int, Any], spares: SparePool) -> torch.Tensor:
     """A copy of ``tensor`` holding its own data (a Parameter stays one), one per tensor:
     a tensor that several modules share (tied embeddings) stays shared in the shadow."""
     if id(tensor) not in made:
-        data = tensor.detach().clone()
+        data = spares.copy_of(tensor)
         made[id(tensor)] = (torch.nn.Parameter(data, requires_grad=False)
                             if isinstance(tensor, torch.nn.Parameter) else data)
     return made[id(tensor)]
@@ -64,9 +110,12 @@ class PreparedLoad:
     """One version loaded into a shadow of ``model`` (:meth:`load`, in any thread), then
     taken by the served model (:meth:`swap_in`, while the engine is paused)."""
 
-    def __init__(self, model: torch.nn.Module, label: int) -> None:
+    def __init__(self, model: torch.nn.Module, label: int,
+                 spares: SparePool | None = None) -> None:
+        """``spares``: what an earlier swap retired, for the shadow's copies to reuse."""
         self.label = label  # the version it holds, as its caller numbers them
         self.model = model
+        self.spares = spares if spares is not None else SparePool()
         #: (served module, its shadow, the shadow's attributes before the load)
         self.pairs: list[tuple[torch.nn.Module, torch.nn.Module, dict[str, Any]]] = []
         self.root: torch.nn.Module | None = None
@@ -80,10 +129,10 @@ class PreparedLoad:
         shadow = module.__class__.__new__(module.__class__)
         shadow.__dict__.update(module.__dict__)
         shadow.__dict__["_parameters"] = {
-            name: None if t is None else _copy_tensor(t, made)
+            name: None if t is None else _copy_tensor(t, made, self.spares)
             for name, t in module._parameters.items()}
         shadow.__dict__["_buffers"] = {
-            name: None if t is None else _copy_tensor(t, made)
+            name: None if t is None else _copy_tensor(t, made, self.spares)
             for name, t in module._buffers.items()}
         shadow.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
         made[id(module)] = shadow
@@ -114,6 +163,7 @@ class PreparedLoad:
 
         self.pairs = []
         root = self._shadow(self.model, {}, get_layerwise_info)
+        self.spares = SparePool()  # what the shadow did not take is freed now
         loaded_all = False
         try:
             initialize_layerwise_reload(root)
@@ -156,13 +206,15 @@ class PreparedLoad:
         if self.root is None:
             raise RuntimeError("PreparedLoad.swap_in before load")
         retired: list[Any] = []
+        swapped: set[int] = set()  # a tensor that several modules share is swapped once
         for served, shadow, before in self.pairs:
             for table in ("_parameters", "_buffers"):
                 mine, theirs = served.__dict__[table], shadow.__dict__[table]
                 for name, tensor in theirs.items():
                     target = mine.get(name)
-                    if tensor is None or target is None:
+                    if tensor is None or target is None or id(target) in swapped:
                         continue
+                    swapped.add(id(target))
                     retired.append(target.data)
                     target.data = tensor.data
             for name, value in shadow.__dict__.items():  # what the load rebound, only
