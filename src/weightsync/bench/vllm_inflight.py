@@ -186,7 +186,7 @@ def _staging_bytes(server: Any) -> int:
     return 0 if stat is None else (stat.f_blocks - stat.f_bfree) * stat.f_frsize
 
 
-def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], float],
+def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], object],
                       make_engine: Callable[..., Any], rate: str, updates: int,
                       interval: float, progress: Callable[[str], None] | None) -> InFlight:
     """The in-flight figures at one link rate: ``updates`` versions of each kind, one every
@@ -199,7 +199,7 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], fl
     return out
 
 
-def _measure_updates(out: InFlight, server: Any, step: Callable[[], float],
+def _measure_updates(out: InFlight, server: Any, step: Callable[[], object],
                      make_engine: Callable[..., Any], updates: int, interval: float,
                      progress: Callable[[str], None] | None) -> None:
     rate = out.rate
