@@ -91,8 +91,7 @@ def main(work: str) -> None:
     found["swapped_v1_is_vllms_v1"] = generate() == reference["v1"]
     served_storage = {t.untyped_storage().data_ptr()
                       for t in (*model.parameters(), *model.buffers())}
-    spare_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                   for spares_of_shape in spares._free.values() for t in spares_of_shape}
+    spare_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in spares}
     spare_storage = set(spare_bytes)
     found["spares"] = len(spares)
     found["spare_bytes"] = sum(spare_bytes.values())

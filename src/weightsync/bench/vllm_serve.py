@@ -122,7 +122,7 @@ def trainer_steps(model: torch.nn.Module) -> Callable[[], None]:
     """An AdamW step per call (fused, on one fixed gradient), as cheap as a trainer's step
     can be on a CPU: here the trainer shares the server's machine, and the in-flight bench
     measures what an update costs generation, not the trainer's arithmetic (the unfused
-    step with fresh noise and ``_adamw_step``'s word count took 1.2-1.9 s of a core each)."""
+    step with fresh noise and ``_adamw_step``'s word count took 1.3-1.9 s of a core each)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     gradients = [torch.randn_like(p) for p in model.parameters()]
 

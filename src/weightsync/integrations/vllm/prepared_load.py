@@ -15,7 +15,7 @@ on the shadow); what is ours is only the shadow and the swap."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import MethodType
 from typing import Any
 
@@ -71,6 +71,11 @@ class SparePool:
         if not spares:
             return tensor.detach().clone()
         return spares.pop().copy_(tensor.detach())
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """The tensors kept, not yet taken."""
+        for spares in self._free.values():
+            yield from spares
 
     def __len__(self) -> int:
         return sum(len(spares) for spares in self._free.values())
