@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 
 import pytest
 
@@ -176,20 +177,85 @@ def test_the_in_flight_stall_is_the_longest_silence_around_an_update():
     assert longest_stall(arrivals, 0.5, 0.9) == pytest.approx(0.8)  # 0.2 -> 1.0
     assert longest_stall(arrivals, 1.02, 1.08) == pytest.approx(0.05)
     assert longest_stall(arrivals, 1.2, 1.3) == pytest.approx(1.9)  # 1.1 -> 3.0
-    figures = InFlight("1gbit", 400_000_000, baseline_p99_gap=0.05, baseline_tps=100.0,
+    figures = InFlight("1gbit", 400_000_000, baseline_p99_gap=0.05,
                        stalls={"full": [0.2, 0.3]}, takes={"full": [0.15]},
                        phases={"full": {"load": [0.1], "resume": [0.01]}},
                        sends={"full": [2.0]}, tps={"full": 95.0}, memcpy=0.05,
-                       periods={"full": 5.5, "delta": 5.0}, baseline_runs=[90.0, 110.0, 130.0],
-                       baseline_around={"full": 100.0, "delta": 120.0})
+                       periods={"full": 5.5, "delta": 5.0}, quiet_tps={"full": 100.0},
+                       pair_ratios={"full": [0.9, 1.0, 0.8]})
     figures.stalls["delta"], figures.sends["delta"], figures.tps["delta"] = [0.1], [1.0], 108.0
+    figures.quiet_tps["delta"] = 120.0
     table = in_flight_table([figures])
     row = "| 1gbit | full | 250 ms / 300 ms | 300 ms | 150 ms | 3.0 | load 100 ms, resume 10.0 ms |"
     assert row in table, table
-    # the cadence reached, tokens/s and its ratio to the no-update runs around that kind
-    assert "| 5.5 s | 95 (0.95) |" in table, table
-    assert "| 5.0 s | 108 (0.90) |" in table, table
-    assert "after the kinds of updates: 90.0 / 110.0 / 130.0;" in table, table
+    # the update windows' length, their tokens/s against the quiet windows', the pairs' spread
+    assert "| 5.5 s | 95 / 100 (0.95; per pair 0.90, 0.80-1.00) |" in table, table
+    assert "| 5.0 s | 108 / 120 (0.90; per pair none) |" in table, table
+
+
+def test_update_windows_alternate_with_quiet_windows_of_the_same_length(monkeypatch):
+    """Each update opens a window of ``interval`` seconds (longer when its send runs past
+    it, plus the settling second), a quiet window of ``interval`` follows, and each kind's
+    tokens/s counts only its own windows' tokens."""
+    from weightsync.bench import vllm_inflight
+
+    class Clock:
+        now = 0.0
+
+    clock = Clock()
+    monkeypatch.setattr(vllm_inflight.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(vllm_inflight.time, "sleep", lambda s: setattr(clock, "now", clock.now + s))
+    sends = iter([7.0, 1.0] * 3)  # the first update of each kind is slow (a session's first)
+
+    class Engine:
+        def send_weights(self):
+            clock.now += next(sends)
+
+        def stats(self):
+            return {"last": {"take_seconds": {"s": 0.1}, "take_phases": {"s": {"load": 0.1}}}}
+
+        def shutdown(self):
+            pass
+
+    class FakeStreams:
+        """Two tokens a second, one every half second of the whole run, but one a second
+        while a send runs."""
+
+        def __init__(self, url):
+            self.arrivals = vllm_inflight.Arrivals(chunks=[[]])
+
+        def __enter__(self):
+            self.started = clock.now
+            return self
+
+        def __exit__(self, *exc):
+            self.ended = clock.now
+            t = self.started + 0.25  # off the windows' edges
+            while t < self.ended:
+                in_send = any(a <= t < b for a, b in sent_windows)
+                if not in_send or round((t - 0.25) * 2) % 2 == 0:
+                    self.arrivals.chunks[0].append((t, 1))
+                t += 0.5
+
+    sent_windows: list[tuple[float, float]] = []
+    real_send = Engine.send_weights
+
+    def send(self):
+        start = clock.now
+        real_send(self)
+        sent_windows.append((start, clock.now))
+
+    Engine.send_weights = send
+    monkeypatch.setattr(vllm_inflight, "Streams", FakeStreams)
+    out = vllm_inflight.InFlight("1gbit", 100, memcpy=0.01)
+    server = types.SimpleNamespace(url="http://server")
+    vllm_inflight._measure_updates(out, server, lambda: None, lambda **_: Engine(), 2, 5.0, None)
+    # full: a 7 s send (window 8 s: send + settle), then a 1 s send (window 5 s)
+    assert out.periods["full"] == pytest.approx((8.0 + 5.0) / 2)
+    assert out.quiet_tps["full"] == pytest.approx(2.0, rel=0.05)
+    # a send halves the rate while it runs: (7 + 1) s at 1/s, (1 + 4) s at 2/s, of 13 s
+    assert out.tps["full"] == pytest.approx((8 * 1 + 5 * 2) / 13.0, rel=0.08)
+    assert len(out.pair_ratios["full"]) == 2 and out.stalls["full"]
 
 
 def test_tokens_per_second_counts_only_what_arrived_in_the_window():

@@ -61,7 +61,11 @@ def test_killed_rank_fails_the_version_and_a_restarted_rank_joins(directory):
         group.kill_all()
     assert all(o.ok for o in outcomes), [(o.rank, o.error, o.traceback[-1500:]) for o in outcomes]
     lead, other, restarted = (o.value for o in outcomes)
-    for report in (lead, other):  # one failed send each, naming rank 2, well within 30 s
+    # rank 1 reaches version 1 only after rank 0 gave up on it when its start is slow (a
+    # loaded machine): it then joins rank 0's retry, and none of its sends fails
+    assert lead["errors"] and other["versions"] == [0, 1, 2], (lead, other)
+    for report in (lead, other) if other["errors"] else (lead,):
+        # one failed send each, naming rank 2, well within 30 s
         (kind, rank, message, seconds, step), = report["errors"]
         assert (kind, rank, step) == ("TrainerRankLostError", 2, 1), message
         assert "trainer rank 2" in message and seconds < 10, (message, seconds)

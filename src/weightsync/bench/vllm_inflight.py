@@ -2,12 +2,15 @@
 while the trainer sends a version every few seconds (full, then deltas, then vLLM's
 ``pause?mode=wait`` recipe), and each token's arrival is timed at the client:
 
-* the baseline: the gap between tokens (p99) and tokens/s with no update;
+* the baseline: the gap between tokens (p99) with no update;
 * per update kind, the longest time with no token on any stream around each update;
 * the take alone (the server's pause to resume, ``stats()["last"]["take_seconds"]``) against
   a memcpy of the served bytes measured in the same run;
-* tokens/s with the updates, as a ratio to the baselines measured just before and after
-  that kind of update (this machine's speed drifts within a run);
+* tokens/s with an update every few seconds against none: the streams run on while
+  windows with one update at their start alternate with windows of the same length without
+  one, and the ratio is the update windows' tokens/s to the quiet windows' (this machine's
+  speed drifts by up to a third within minutes with no update at all; windows side by side
+  see the same drift);
 * the server host's staging memory (its private ``/dev/shm``) against the served bytes.
 
 Both hosts share this machine's CPUs. On a cluster the trainer has machines of its own, so
@@ -129,20 +132,18 @@ class InFlight:
     rate: str
     served_bytes: int
     baseline_p99_gap: float = 0.0
-    baseline_tps: float = 0.0
-    #: tokens/s with no update, measured before the updates, between kinds and after them
-    baseline_runs: list[float] = field(default_factory=list)
-    #: per update kind, the no-update tokens/s around it (the runs just before and after):
-    #: its ratio's denominator, as this machine's speed drifts within a run
-    baseline_around: dict[str, float] = field(default_factory=dict)
-    #: per update kind, the mean time from one update's start to the next
+    #: per update kind, the mean length of its update windows (one update each, at the start)
     periods: dict[str, float] = field(default_factory=dict)
     stalls: dict[str, list[float]] = field(default_factory=dict)
     takes: dict[str, list[float]] = field(default_factory=dict)
     #: per update kind, each step of the takes (pause, load, label, reset, resume)
     phases: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     sends: dict[str, list[float]] = field(default_factory=dict)
+    #: per update kind, tokens/s in its update windows, and in the quiet windows between them
     tps: dict[str, float] = field(default_factory=dict)
+    quiet_tps: dict[str, float] = field(default_factory=dict)
+    #: per update kind, each update window's tokens/s to the quiet window after it
+    pair_ratios: dict[str, list[float]] = field(default_factory=dict)
     memcpy: float = 0.0
     staging_bytes: int = 0
     failures: list[str] = field(default_factory=list)
@@ -199,6 +200,11 @@ def measure_in_flight(server: Any, model: torch.nn.Module, step: Callable[[], ob
     return out
 
 
+#: after a send returns, the seconds its update window still runs at least: the take's
+#: recompute of the running requests' KV is the update's, not the quiet window's
+SETTLE = 1.0
+
+
 def _measure_updates(out: InFlight, server: Any, step: Callable[[], object],
                      make_engine: Callable[..., Any], updates: int, interval: float,
                      progress: Callable[[str], None] | None) -> None:
@@ -209,60 +215,71 @@ def _measure_updates(out: InFlight, server: Any, step: Callable[[], object],
         if progress:
             progress(f"vllm-serve in-flight {kind} {rate}")
         engine = make_engine(delta=delta, pause=pause)
-        windows: list[tuple[float, float]] = []
+        #: (update window's start, its send's end, the quiet window's start and end)
+        windows: list[tuple[float, float, float, float]] = []
         try:
             with Streams(server.url) as streams:
-                tick = streams.started
-                for _ in range(updates):  # one update every ``interval``, or back to back
-                    tick += interval
+                tick = streams.started + 1.0  # the streams' first requests under way
+                for _ in range(updates):
                     time.sleep(max(0.0, tick - time.perf_counter()))
-                    tick = max(tick, time.perf_counter())
-                    step()
                     started = time.perf_counter()
+                    step()
                     engine.send_weights()
-                    windows.append((started, time.perf_counter()))
+                    sent = time.perf_counter()
+                    quiet = max(started + interval, sent + SETTLE)
+                    windows.append((started, sent, quiet, quiet + interval))
+                    tick = quiet + interval
                     last = engine.stats()["last"]
                     out.takes.setdefault(kind, []).extend(last["take_seconds"].values())
                     for steps in last["take_phases"].values():
                         for name, seconds in steps.items():
                             out.phases.setdefault(kind, {}).setdefault(name, []).append(seconds)
-                    out.sends.setdefault(kind, []).append(windows[-1][1] - started)
-                time.sleep(1.0)
+                    out.sends.setdefault(kind, []).append(sent - started)
+                time.sleep(max(0.0, tick - time.perf_counter()))
             out.staging_bytes = max(out.staging_bytes, _staging_bytes(server))
         finally:
             engine.shutdown()
-        merged = streams.arrivals.merged()
-        out.stalls[kind] = [longest_stall(merged, a, b) for a, b in windows]
-        # from the first update's start to the last one's end: only time with updates
-        first, last_end = windows[0][0] - interval, windows[-1][1]
-        out.tps[kind] = streams.arrivals.rate(first, last_end)
-        out.periods[kind] = (windows[-1][0] - windows[0][0]) / max(len(windows) - 1, 1)
-        out.failures += streams.arrivals.failures
-        gaps += _baseline(out, server, interval, progress)
-        out.baseline_around[kind] = statistics.fmean(out.baseline_runs[-2:])
+        arrivals = streams.arrivals
+        merged = arrivals.merged()
+        out.stalls[kind] = [longest_stall(merged, a, b) for a, b, _, _ in windows]
+        busy = sum(quiet - start for start, _, quiet, _ in windows)
+        idle = sum(end - quiet for _, _, quiet, end in windows)
+        out.tps[kind] = sum(arrivals.tokens_between(a, q) for a, _, q, _ in windows) / busy
+        out.quiet_tps[kind] = sum(arrivals.tokens_between(q, e) for _, _, q, e in windows) / idle
+        out.pair_ratios[kind] = [arrivals.rate(a, q) / max(arrivals.rate(q, e), 1e-9)
+                                 for a, _, q, e in windows]
+        out.periods[kind] = busy / len(windows)
+        out.failures += arrivals.failures
+        gaps += [b - a for stream in arrivals.chunks for (a, _), (b, _) in itertools.pairwise(stream)
+                 if any(q <= a and b <= e for _, _, q, e in windows)]
     out.baseline_p99_gap = percentile(gaps, 0.99)
-    out.baseline_tps = statistics.fmean(out.baseline_runs)
 
 
 def _baseline(out: InFlight, server: Any, interval: float,
               progress: Callable[[str], None] | None) -> list[float]:
-    """Tokens/s with no update (kept in ``out.baseline_runs``: measured before the updates,
-    between their kinds and after them, as the machine drifts), and the gaps between
-    tokens."""
+    """The gaps between tokens with no update, before the first (the quiet windows add
+    theirs)."""
     if progress:
         progress(f"vllm-serve in-flight baseline {out.rate}")
     with Streams(server.url) as idle:
         time.sleep(interval * 2)
-    out.baseline_runs.append(idle.arrivals.rate(idle.started, idle.ended))
     out.failures += idle.arrivals.failures
     return idle.arrivals.stream_gaps()
+
+
+def _spread(ratios: list[float]) -> str:
+    """The median of a kind's pair ratios and their range."""
+    if not ratios:
+        return "none"
+    return f"{statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def in_flight_table(figures: list[InFlight]) -> str:
     """The in-flight figures of every rate, one row per update kind."""
     lines = ["| link | update | longest stall per update: median / max | target | take: "
              "median | x memcpy | take's steps: median | send_weights: median | "
-             "update every | tokens/s x no updates |", "|" + "---|" * 10]
+             "update window | tokens/s: updates / none (ratio; per pair: median, range) |",
+             "|" + "---|" * 10]
     for f in figures:
         target = 0.25 + f.baseline_p99_gap
         for kind, stalls in f.stalls.items():
@@ -276,11 +293,11 @@ def in_flight_table(figures: list[InFlight]) -> str:
                             for name, values in f.phases.get(kind, {}).items())
                 + f" | {format_duration(statistics.median(f.sends[kind]))} | "
                 f"{format_duration(f.periods[kind])} | "
-                f"{f.tps[kind]:.0f} ({f.tps[kind] / f.baseline_around.get(kind, f.baseline_tps):.2f}) |")
-    notes = [f"{f.rate}: baseline p99 gap between tokens {format_duration(f.baseline_p99_gap)}, "
-             f"{f.baseline_tps:.1f} tokens/s with no update (before, between and after the "
-             f"kinds of updates: {' / '.join(f'{r:.1f}' for r in f.baseline_runs)}; each "
-             f"kind's ratio is to the two runs around it); memcpy of the {f.served_bytes / 1e6:.0f}"
+                f"{f.tps[kind]:.0f} / {f.quiet_tps[kind]:.0f} ({f.tps[kind] / f.quiet_tps[kind]:.2f}"
+                f"; per pair {_spread(f.pair_ratios.get(kind, []))}) |")
+    notes = [f"{f.rate}: baseline p99 gap between tokens {format_duration(f.baseline_p99_gap)} "
+             f"(windows with no update); tokens/s: each kind's update windows against its quiet "
+             f"windows, which alternate with them; memcpy of the {f.served_bytes / 1e6:.0f}"
              f" MB served {format_duration(f.memcpy)}; the server host's /dev/shm after the "
              f"updates {f.staging_bytes / 1e6:.0f} MB ({f.staging_bytes / f.served_bytes:.2f}x "
              f"the served bytes); failed requests: {len(f.failures)}; "
