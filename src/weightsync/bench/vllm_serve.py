@@ -209,8 +209,9 @@ def run_vllm_serve_bench(
     progress: Callable[[str], None] | None = None, interval: float = 5.0,
 ) -> tuple[list[BenchRow], str]:
     """Rows against the floor of each link rate, and the tables with the delta figures and
-    the in-flight ones (``vllm_inflight``: an update every ``interval`` seconds under three
-    streams, ``repeats`` of each kind)."""
+    the in-flight ones (``vllm_inflight``: ``repeats`` updates of each kind under three
+    streams, each opening a window of ``interval`` seconds, quiet windows as long between
+    them)."""
     from weightsync.bench.multihost import ADDRESS_A, ADDRESS_B, parse_link_rate, two_host_network
     from weightsync.bench.vllm_inflight import in_flight_table, measure_in_flight
     from weightsync.bench.vllm_server import VLLMServer
@@ -255,8 +256,9 @@ def run_vllm_serve_bench(
             rows.append(make_row(f"vllm-serve {case.label}", size, fp32_bytes // 2, 1, case.times,
                                  floor, "bare TCP + reload"))
         print(case_table(rate, cases, fp32_bytes), file=out)
-    print("In flight: three streams generate while a version is sent every "
-          f"{interval:g}s (a fused AdamW step each):", file=out)
+    print(f"In flight: three streams generate while windows of {interval:g}s with one update "
+          f"at their start (a fused AdamW step, then the send) alternate with windows of "
+          f"{interval:g}s without:", file=out)
     print(in_flight_table(in_flight), file=out)
     return rows, out.getvalue()
 
