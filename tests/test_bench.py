@@ -199,17 +199,19 @@ def test_update_windows_alternate_with_quiet_windows_of_the_same_length(monkeypa
     tokens/s counts only its own windows' tokens."""
     from weightsync.bench import vllm_inflight
 
-    class Clock:
-        now = 0.0
-
-    clock = Clock()
-    monkeypatch.setattr(vllm_inflight.time, "perf_counter", lambda: clock.now)
-    monkeypatch.setattr(vllm_inflight.time, "sleep", lambda s: setattr(clock, "now", clock.now + s))
+    clock = types.SimpleNamespace(now=0.0)
+    # the module's own clock, not the process's: pytest keeps its time.perf_counter
+    monkeypatch.setattr(vllm_inflight, "time", types.SimpleNamespace(
+        perf_counter=lambda: clock.now,
+        sleep=lambda seconds: setattr(clock, "now", clock.now + seconds)))
     sends = iter([7.0, 1.0] * 3)  # the first update of each kind is slow (a session's first)
+    sent_windows: list[tuple[float, float]] = []
 
     class Engine:
         def send_weights(self):
+            start = clock.now
             clock.now += next(sends)
+            sent_windows.append((start, clock.now))
 
         def stats(self):
             return {"last": {"take_seconds": {"s": 0.1}, "take_phases": {"s": {"load": 0.1}}}}
@@ -237,15 +239,6 @@ def test_update_windows_alternate_with_quiet_windows_of_the_same_length(monkeypa
                     self.arrivals.chunks[0].append((t, 1))
                 t += 0.5
 
-    sent_windows: list[tuple[float, float]] = []
-    real_send = Engine.send_weights
-
-    def send(self):
-        start = clock.now
-        real_send(self)
-        sent_windows.append((start, clock.now))
-
-    Engine.send_weights = send
     monkeypatch.setattr(vllm_inflight, "Streams", FakeStreams)
     out = vllm_inflight.InFlight("1gbit", 100, memcpy=0.01)
     server = types.SimpleNamespace(url="http://server")

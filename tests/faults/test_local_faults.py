@@ -431,10 +431,10 @@ def test_close_from_another_thread_ends_a_waiting_connect(local_scheme, trainer)
     assert error.__cause__ is not None  # what the transport was waiting on when cut
     # the trainer's hub (in this process) closes its end once it sees the goodbye: within
     # 0.2 s on an idle machine, later on a loaded one
+
     def readers() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith("weightsync-reader")]
 
-    time.sleep(0.2)
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and (readers() or not _open_fds() <= before):
         time.sleep(0.05)

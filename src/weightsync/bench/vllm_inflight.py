@@ -62,9 +62,11 @@ class Arrivals:
         requests still produce after ``end`` (they run to their end) is not counted."""
         return self.tokens_between(start, end) / (end - start)
 
-    def stream_gaps(self) -> list[float]:
-        """Gaps between consecutive chunks of each stream."""
-        return [b[0] - a[0] for stream in self.chunks for a, b in itertools.pairwise(stream)]
+    def stream_gaps(self, within: list[tuple[float, float]] | None = None) -> list[float]:
+        """Gaps between consecutive chunks of each stream (given ``within``: only those that
+        lie inside one of its spans)."""
+        return [b - a for stream in self.chunks for (a, _), (b, _) in itertools.pairwise(stream)
+                if within is None or any(start <= a and b <= end for start, end in within)]
 
 
 def _stream(url: str, index: int, stop: threading.Event, arrivals: Arrivals) -> None:
@@ -250,8 +252,7 @@ def _measure_updates(out: InFlight, server: Any, step: Callable[[], object],
                                  for a, _, q, e in windows]
         out.periods[kind] = busy / len(windows)
         out.failures += arrivals.failures
-        gaps += [b - a for stream in arrivals.chunks for (a, _), (b, _) in itertools.pairwise(stream)
-                 if any(q <= a and b <= e for _, _, q, e in windows)]
+        gaps += arrivals.stream_gaps([(q, e) for _, _, q, e in windows])
     out.baseline_p99_gap = percentile(gaps, 0.99)
 
 
