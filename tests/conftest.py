@@ -133,16 +133,24 @@ class Workers:
     def kill(self, idx: int) -> None:
         proc = self.procs[idx]
         proc.kill()
-        proc.join(10)
+        _wait_exit(proc, 10)
 
     def close(self) -> None:
         self.stop.set()
         for proc in self.procs.values():
-            proc.join(5)
+            _wait_exit(proc, 5)
             if proc.is_alive():
                 proc.kill()
-                proc.join(5)
+                _wait_exit(proc, 5)
         self.out.close()
+
+
+def _wait_exit(proc: Any, timeout: float) -> None:
+    """Wait for ``proc`` to exit by its pid, not by ``join()``'s pipe, which a child it
+    forked inherits and keeps open after it died."""
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -602,13 +602,22 @@ def command_rank(rank: int, world: int, scheme: Any, rows: int, first_value: flo
         out.put(("crash", rank, type(exc).__name__, f"{exc}\n{traceback.format_exc()}", None, 0.0))
 
 
+def preloaded_context() -> Any:
+    """Rank processes forked from a server that imported torch and weightsync once: a
+    spawned rank spends a second or more importing them. The server keeps the environment
+    and namespaces of its first use, so it serves only ranks that need none of the test's."""
+    ctx = torch_mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "weightsync.schemes", "rank_harness"])
+    return ctx
+
+
 class Ranks:
     """Commanded rank processes of one transport: ``start(r)`` (re)starts rank ``r`` (a
     second ``start`` of a live rank is a second claimant: ``key`` tells them apart)."""
 
     def __init__(self, transport: Transport, world: int = 2) -> None:
         self.transport, self.world = transport, world
-        self.procs = RankProcesses(torch_mp.get_context("spawn"))
+        self.procs = RankProcesses(preloaded_context())
         self.outs = self.procs.outs
         self.tell, self.next = self.procs.tell, self.procs.next
         self.kill, self.signal = self.procs.kill, self.procs.signal
@@ -663,10 +672,12 @@ class Worker:
             assert uniform(self.model) == float(version)
 
     def close(self) -> None:
+        """Stop the loop; a ``connect()`` still waiting (no rank 0 came) is cut by the
+        close (at once, not at its 60 s deadline)."""
         self.stop.set()
-        self.thread.join(10)
-        with contextlib.suppress(Exception):  # a worker whose connect() never ended
+        with contextlib.suppress(Exception):
             self.receiver.close()
+        self.thread.join(10)
 
 
 #: the media of the conformance suite by name (Ray's: ``rank_harness_ray.Ray``)
@@ -773,7 +784,7 @@ class TrainingRanks:
     def __init__(self, scheme: Any, world: int, how: str = "fsdp", steps: int = 3,
                  hooks: dict[str, Any] | None = None, paced: bool = True) -> None:
         self.world = world
-        self.procs = RankProcesses(torch_mp.get_context("spawn"))
+        self.procs = RankProcesses(preloaded_context())
         port = 29000 + os.getpid() % 2000
         for r in range(world):
             self.procs.start(r, training_rank, r, world, port, scheme.for_trainer_ranks(),
@@ -870,7 +881,7 @@ class BlockRanks:
 
     def __init__(self, scheme: Any, world: int) -> None:
         self.scheme, self.world = scheme, world
-        self.ranks = RankProcesses(torch_mp.get_context("spawn"))
+        self.ranks = RankProcesses(preloaded_context())
         self.procs = self.ranks.processes
         self.tell, self.tell_all, self.next = self.ranks.tell, self.ranks.tell_all, self.ranks.next
         for r in range(world):

@@ -327,78 +327,6 @@ def _sample(url: str) -> Sample | BaseException:
         return exc
 
 
-@pytest.fixture(scope="module")
-def second_server(hosts: TwoHostCluster, server: VLLMServer) -> Iterator[VLLMServer]:
-    """A second ``vllm serve`` on host B (a data-parallel replica, with its own /dev/shm),
-    its load ahead of the take off: its takes load the staged version themselves."""
-    served = VLLMServer(server.model_dir, host=ADDRESS_B, port=8001, netns=hosts.ns_b,
-                        env={"WEIGHTSYNC_VLLM_LOAD_AHEAD": "0"})
-    try:
-        served.start().wait_ready()
-        yield served
-    finally:
-        served.stop()
-
-
-def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server: VLLMServer):
-    """A stalled server makes ``send_weights`` raise within the engine's timeout, naming
-    it, while the other server gets the version; restarted, it takes the next version whole
-    (it is initialised again) from the other server's host, which relays it; the relay
-    stalled, it alone is named and the other takes the version from the trainer."""
-    trainer = vm.build_model()
-    engine = _engine(trainer, [server, second_server], delta=True, timeout=30.0)
-    try:
-        vm.perturb(trainer, 1)
-        first = int(engine.send_weights())
-        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
-        # the second server's host took it from the first's (its relay), not the trainer
-        assert engine.stats()["last"]["fetched_from"]["server1"] == "server0"
-        second_server.kill(signal.SIGSTOP)
-        vm.perturb(trainer, 2)
-        started = time.monotonic()
-        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {second_server.url}"):
-            engine.send_weights()
-        assert time.monotonic() - started < 60
-        assert server.weight_version() == str(first + 1)
-        assert greedy(server) == _bf16_greedy(trainer)
-        assert not server.is_paused()  # its take resumed it
-        second_server.kill(signal.SIGKILL)
-        second_server.stop()
-        second_server.start().wait_ready()
-        vm.perturb(trainer, 3)
-        assert engine.send_weights() == str(first + 2)
-        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
-        assert second_server.weight_version() == str(first + 2)
-        # the first server's update carries the version from the trainer (whole: a
-        # perturbation changes every word); the restarted one's init staged it in the
-        # background from the first one's host (a relay), and its take loads that: one
-        # version's bytes crossed the trainer's link, not two
-        last = engine.stats()["last"]
-        sources = last["fetched_from"]
-        assert sources == {"server0": "trainer", "server1": "server0"}, last
-        whole = 2 * sum(p.numel() for p in trainer.parameters())
-        assert whole < last["wire_bytes"] < 1.5 * whole, last
-        # the relay stalls: it alone is named, and the second server's host takes the
-        # version from the trainer once the relay sent nothing for a while
-        server.kill(signal.SIGSTOP)
-        vm.perturb(trainer, 4)
-        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {server.url}"):
-            engine.send_weights()
-        assert engine.stats()["last"]["fetched_from"]["server1"] == "trainer"
-        assert greedy(second_server) == _bf16_greedy(trainer)
-        # restarted, not resumed: a resumed server would run the calls the engine left
-        # behind on it, late, beside the next update's
-        server.kill(signal.SIGKILL)
-        server.stop()
-        server.start().wait_ready()
-        vm.perturb(trainer, 5)
-        engine.send_weights()  # the first server is initialised again
-        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
-        assert not server.is_paused()
-    finally:
-        engine.shutdown()
-
-
 def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server: VLLMServer):
     """``--tensor-parallel-size 2``: the host's rank 0 fetches each version once; both ranks
     take that staged version in flight (one stream per update in the trainer's figures;
@@ -468,3 +396,70 @@ def test_a_2_rank_fsdp2_trainer_streams_its_shards_from_every_rank(
         assert small["wire_bytes"] < 0.3 * report[0]["wire_bytes"], report
     print("sharded wire bytes per rank and version:",
           [(e["wire_bytes"], m["wire_bytes"]) for e, m in zip(lead, member, strict=True)])
+
+
+@pytest.fixture(scope="module")
+def second_server(hosts: TwoHostCluster, server: VLLMServer) -> Iterator[VLLMServer]:
+    """A second ``vllm serve`` on host B (a data-parallel replica, with its own /dev/shm),
+    its load ahead of the take off: its takes load the staged version themselves."""
+    served = VLLMServer(server.model_dir, host=ADDRESS_B, port=8001, netns=hosts.ns_b,
+                        env={"WEIGHTSYNC_VLLM_LOAD_AHEAD": "0"})
+    try:
+        served.start().wait_ready()
+        yield served
+    finally:
+        served.stop()
+
+
+def test_two_servers_one_stalls_then_restarts(server: VLLMServer, second_server: VLLMServer):
+    """A stalled server makes ``send_weights`` raise within the engine's timeout, naming
+    it, while the other server gets the version; restarted, it takes the next version whole
+    (it is initialised again) from the other server's host, which relays it; the relay
+    stalled, it alone is named and the other takes the version from the trainer."""
+    trainer = vm.build_model()
+    engine = _engine(trainer, [server, second_server], delta=True, timeout=30.0)
+    try:
+        vm.perturb(trainer, 1)
+        first = int(engine.send_weights())
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        # the second server's host took it from the first's (its relay), not the trainer
+        assert engine.stats()["last"]["fetched_from"]["server1"] == "server0"
+        second_server.kill(signal.SIGSTOP)
+        vm.perturb(trainer, 2)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {second_server.url}"):
+            engine.send_weights()
+        assert time.monotonic() - started < 60
+        assert server.weight_version() == str(first + 1)
+        assert greedy(server) == _bf16_greedy(trainer)
+        assert not server.is_paused()  # its take resumed it
+        second_server.kill(signal.SIGKILL)
+        second_server.stop()
+        second_server.start().wait_ready()
+        vm.perturb(trainer, 3)
+        assert engine.send_weights() == str(first + 2)
+        assert greedy(server) == greedy(second_server) == _bf16_greedy(trainer)
+        assert second_server.weight_version() == str(first + 2)
+        # the first server's update carries the version from the trainer (whole: a
+        # perturbation changes every word); the restarted one's init staged it in the
+        # background from the first one's host (a relay), and its take loads that: one
+        # version's bytes crossed the trainer's link, not two
+        last = engine.stats()["last"]
+        sources = last["fetched_from"]
+        assert sources == {"server0": "trainer", "server1": "server0"}, last
+        whole = 2 * sum(p.numel() for p in trainer.parameters())
+        assert whole < last["wire_bytes"] < 1.5 * whole, last
+        # the relay stalls: it alone is named, and the second server's host takes the
+        # version from the trainer once the relay sent nothing for a while
+        server.kill(signal.SIGSTOP)
+        vm.perturb(trainer, 4)
+        with pytest.raises(WeightSyncError, match=f"not served by 1 of 2 servers: {server.url}"):
+            engine.send_weights()
+        assert engine.stats()["last"]["fetched_from"]["server1"] == "trainer"
+        assert greedy(second_server) == _bf16_greedy(trainer)
+    finally:
+        # the module's last test: the stalled server is killed, not restarted (a resumed
+        # server would run the calls the engine left behind on it; a restarted one joins
+        # as the second server did above)
+        server.kill(signal.SIGKILL)
+        engine.shutdown()
