@@ -56,25 +56,71 @@ def recv_exact(sock: socket.socket, nbytes: int, deadline: Deadline | None = Non
     return buffer
 
 
+#: a long read wakes up once this much has arrived (``SO_RCVLOWAT``), not at every segment:
+#: each wake-up takes the GIL, and in a vLLM worker the engine's thread waits for it between
+#: its kernels (at 1 Gb/s a fetch thread was switched out about 2,000 times a second)
+WAKE_BYTES = 1 << 20
+#: reads up to this size (frames, chunk headers) wake up as their bytes come
+_SHORT_READ = 64 << 10
+
+
+def _wake_after(sock: socket.socket, nbytes: int) -> bool:
+    """Have ``sock`` wake its reader only once ``nbytes`` are queued (TCP only: a Unix
+    socket's poll ignores it); False when the socket does not take it."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+    except OSError:
+        return False
+    return True
+
+
+def _queued(sock: socket.socket, view: memoryview) -> int:
+    """Read, without waiting, what arrived but stayed below the wake-up threshold (a
+    timeout's error names it)."""
+    timeout = sock.gettimeout()
+    try:
+        _wake_after(sock, 1)
+        sock.settimeout(0)
+        return sock.recv_into(view, len(view))
+    except OSError:
+        return 0
+    finally:
+        sock.settimeout(timeout)
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None = None) -> None:
     """Fill ``view`` from ``sock``; ``ProtocolError`` if the peer closes first,
-    ``DeadlinePassed`` once ``deadline`` passes (a trickling peer included)."""
+    ``DeadlinePassed`` once ``deadline`` passes (a trickling peer included). A long read
+    wakes up once per :data:`WAKE_BYTES` (or the bytes it still lacks, when fewer)."""
     got, total = 0, len(view)
-    while got < total:
-        if deadline is not None:
-            left = deadline.remaining()
-            if left is not None and left <= 0:
-                raise DeadlinePassed(f"{got} of {total} bytes arrived within {deadline}")
-            sock.settimeout(left)
-        try:
-            n = sock.recv_into(view[got:], total - got)
-        except TimeoutError:
+    waking = total > _SHORT_READ
+    low = 1  # the socket's wake-up threshold now
+    try:
+        while got < total:
+            if waking and min(total - got, WAKE_BYTES) != low:
+                waking = _wake_after(sock, min(total - got, WAKE_BYTES))
+                low = min(total - got, WAKE_BYTES) if waking else 1
             if deadline is not None:
-                raise DeadlinePassed(f"{got} of {total} bytes arrived within {deadline}") from None
-            raise
-        if n == 0:
-            raise ProtocolError(f"the peer closed the connection after {got} of {total} bytes")
-        got += n
+                left = deadline.remaining()
+                if left is not None and left <= 0:
+                    raise DeadlinePassed(f"{got} of {total} bytes arrived within {deadline}")
+                sock.settimeout(left)
+            try:
+                n = sock.recv_into(view[got:], total - got)
+            except TimeoutError:
+                got += _queued(sock, view[got:]) if low != 1 else 0
+                if deadline is not None:
+                    raise DeadlinePassed(f"{got} of {total} bytes arrived within {deadline}"
+                                         ) from None
+                raise
+            if n == 0:
+                raise ProtocolError(f"the peer closed the connection after {got} of {total} bytes")
+            got += n
+    finally:
+        if low != 1:
+            _wake_after(sock, 1)
 
 
 def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME, seal: Seal | None = None,
