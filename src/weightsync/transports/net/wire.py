@@ -99,9 +99,10 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: Deadline | 
     low = 1  # the socket's wake-up threshold now
     try:
         while got < total:
-            if waking and min(total - got, WAKE_BYTES) != low:
-                waking = _wake_after(sock, min(total - got, WAKE_BYTES))
-                low = min(total - got, WAKE_BYTES) if waking else 1
+            wanted = min(total - got, WAKE_BYTES)
+            if waking and wanted != low:
+                waking = _wake_after(sock, wanted)
+                low = wanted if waking else 1
             if deadline is not None:
                 left = deadline.remaining()
                 if left is not None and left <= 0:
