@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
+from stopped import stop_process
 from torch import nn
 
 import weightsync as ws
@@ -125,7 +126,11 @@ class RankProcesses:
         self.processes[key].join(10)
 
     def signal(self, key: Any, sig: int) -> None:
-        os.kill(self.processes[key].pid, sig)
+        """Send ``sig`` to ``key``'s process; SIGSTOP returns once it has stopped."""
+        if sig == signal.SIGSTOP:
+            stop_process(self.processes[key].pid)
+        else:
+            os.kill(self.processes[key].pid, sig)
 
     def stop(self, key: Any) -> None:
         """Let ``key``'s process end (2 s), else kill it."""

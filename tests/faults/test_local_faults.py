@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from stopped import stop_process
 from workers import checksum, close_during_connect, drain, echo_worker, fill_all, make_model
 
 import weightsync as ws
@@ -84,7 +85,7 @@ def test_send_to_a_stopped_worker_ends_within_its_one_deadline(workers):
     sender = scheme.create_sender()
     sender.register_model(make_model(width=512))
     sender.connect(timeout=30)
-    os.kill(workers.procs[1].pid, signal.SIGSTOP)
+    stop_process(workers.procs[1].pid)
     try:
         t0 = time.monotonic()
         with pytest.raises((ws.WeightSyncTimeoutError, ws.WorkerLostError)) as info:
@@ -109,7 +110,7 @@ def test_a_frozen_shared_memory_worker_never_slows_sends(workers):
     sender.register_model(make_model())
     sender.connect(timeout=30)
     time.sleep(0.3)  # both are blocked in receive() now
-    os.kill(workers.procs[1].pid, signal.SIGSTOP)
+    stop_process(workers.procs[1].pid)
     try:
         t0 = time.monotonic()
         slowest = 0.0
@@ -614,7 +615,7 @@ def test_a_worker_stopped_mid_transfer_is_told_it_was_dropped_and_rejoins(worker
         assert _get(workers.out)[:3] == ("connected", 0, 0)
         pid = workers.procs[0].pid
         weights["w"].fill_(1.0)
-        os.kill(pid, signal.SIGSTOP)  # stopped as version 1 goes out
+        stop_process(pid)  # stopped as version 1 goes out
         try:
             t0 = time.monotonic()
             # named lost, or (when the streamer had not started the transfer by the deadline,

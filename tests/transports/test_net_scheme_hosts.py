@@ -27,6 +27,7 @@ from net_hosts import (
     step,
     wait_reports,
 )
+from stopped import stop_process
 
 import weightsync as ws
 from weightsync.bench.multihost import ADDRESS_A, TwoHostCluster, two_host_network
@@ -156,7 +157,7 @@ def test_a_stopped_worker_is_named_within_the_deadline_and_catches_up(hosts, out
             pids = [next(r[2] for r in reports(out_dir)[w] if r[0] == "pid") for w in (0, 1)]
             pid = pids[1]
             time.sleep(0.5)  # it stops idle, not inside its own staging of version 0
-            os.kill(pid, signal.SIGSTOP)  # alive, connected, silent
+            stop_process(pid)  # alive, connected, silent (and holds no staging lock)
             try:
                 step(model, 1)
                 started = time.monotonic()

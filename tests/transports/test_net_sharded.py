@@ -17,6 +17,7 @@ import pytest
 import rank_harness as net_ranks
 import torch
 from rank_harness import free_port
+from stopped import stop_process
 
 import weightsync as ws
 from weightsync.core.deadline import Deadline
@@ -229,7 +230,7 @@ def _fetch_fails_while_rank_1(tmp_path: Path, what: str) -> ws.TrainerRankLostEr
             child.join(TIMEOUT)
             time.sleep(0.5)  # rank 0's board sees the connection end
         else:
-            os.kill(child.pid, signal.SIGSTOP)
+            stop_process(child.pid)
         host.stage(addresses, host_credential(host_token(key), "host-a"), version, request_key("t", "0"), 5.0)
 
     started = time.monotonic()

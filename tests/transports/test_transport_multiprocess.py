@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from stopped import stop_process
 from workers import checksum, drain, echo_worker, fill_all, make_model
 
 import weightsync as ws
@@ -227,7 +228,7 @@ def test_a_worker_stopped_mid_transfer_never_stages_the_reused_snapshot(workers)
         sender.connect(timeout=60)
         expected[0] = checksum(model)
         drain(workers.out, 1)
-        os.kill(workers.procs[0].pid, signal.SIGSTOP)
+        stop_process(workers.procs[0].pid)
         try:
             with pytest.raises((ws.WeightSyncTimeoutError, ws.WorkerLostError)):
                 for value in range(1, 20):

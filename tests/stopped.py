@@ -1,0 +1,47 @@
+"""SIGSTOP a process and return once every thread of it has stopped.
+
+``kill(pid, SIGSTOP)`` returns before the process stops: the kernel stops each thread when
+that thread next runs kernel code that looks at signals, and on a loaded machine a
+thread that was running (or had just been woken) went on for 10 ms, long enough to take
+a host's staging lock for the next version or to ack one. A test that then expects the
+process silent must wait for the stop it asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+#: /proc's states of a thread that runs no more code: stopped, traced, dead
+_HALTED = frozenset("TtZX")
+
+
+def running_threads(pid: int) -> list[int]:
+    """The threads of ``pid`` not (yet) stopped; none once the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    running = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread ended meanwhile
+        state = stat.rsplit(")", 1)[1].split()[0]  # after "(comm)", which may hold spaces
+        if state not in _HALTED:
+            running.append(int(tid))
+    return running
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """Send SIGSTOP to ``pid`` and wait (at most ``timeout``) until all its threads stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while running := running_threads(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid}: threads {running} still run {timeout} s "
+                                 "after SIGSTOP")
+        time.sleep(0.001)
