@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stopped import stop_process
 
 from weightsync.core.deadline import Deadline
 from weightsync.core.errors import UnsafeDirectoryError, WeightSyncTimeoutError
@@ -74,8 +75,13 @@ def test_a_worker_killed_mid_fetch_lets_the_next_one_fetch():
         while not (stage.directory / "incoming.bin").exists():
             assert time.monotonic() < deadline, "the doomed worker never started its fetch"
             time.sleep(0.01)
-        with pytest.raises(WeightSyncTimeoutError, match="staging lock"):
+        with pytest.raises(WeightSyncTimeoutError, match="staging lock") as busy:
             stage.stage(0, _fetch_of(1.0, 0, []), Deadline(0.3))  # it holds the lock
+        assert f"doomed worker (pid {doomed.pid})" in str(busy.value)  # asleep: no state
+        stop_process(doomed.pid)  # a frozen holder holds up its host: the error says so
+        with pytest.raises(WeightSyncTimeoutError, match="staging lock") as stuck:
+            stage.stage(0, _fetch_of(1.0, 0, []), Deadline(0.3))
+        assert f"doomed worker (pid {doomed.pid}, stopped) held this host's" in str(stuck.value)
         doomed.kill()
         doomed.join(10)
         calls: list[int] = []

@@ -5,7 +5,8 @@ The first worker that wants a version takes the host's lock (``flock``), fetches
 delta against the newest version staged here when the trainer still has that one)
 straight into a file of that directory, and commits it by writing its header beside it;
 the others find it there and copy from it. A worker that dies while fetching lets go of
-the lock with its process, and the next one fetches again. Each worker holds a shared lock
+the lock with its process, and the next one fetches again; one that is stopped there keeps
+it, and the lock file names it (worker, pid, state) in its host-mates' timeout errors. Each worker holds a shared lock
 on the directory while it lives: the last one to leave removes the directory, and a
 worker's start removes those of this user whose workers are all gone.
 """
@@ -33,6 +34,7 @@ from weightsync.core.errors import (
     UnsafeDirectoryError,
     WeightSyncTimeoutError,
 )
+from weightsync.core.liveness import judged_by_pid, pid_scope, process_stat
 from weightsync.transports.net.mapped_file import fresh_or_spare, map_locked, retire
 from weightsync.transports.net.packed import PackedVersion, parse_header
 from weightsync.transports.net.wire import ProtocolError
@@ -113,6 +115,28 @@ def host_id() -> str:
     return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
+def _holder(fd: int) -> str:
+    """Who holds the staging lock, as its holder wrote it in the lock file: the worker,
+    its pid, and whether that process is stopped, gone or not running (when this process
+    can see it)."""
+    try:
+        held = json.loads(os.pread(fd, 4096, 0))
+        name, pid = str(held["name"]), int(held["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another worker of this host"  # written by an older version, or mid-write
+    said = f"{name} (pid {pid}"
+    if judged_by_pid(held.get("scope")):
+        stat = process_stat(pid)
+        state = "gone" if stat is None else _STATES.get(stat[0], "")
+        said += f", {state}" if state else ""
+    return said + ")"
+
+
+#: /proc states worth naming in an error about a lock's holder
+_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep",
+           "Z": "gone"}
+
+
 class HostStage:
     """The staged versions of the trainer session ``key`` names, on this host."""
 
@@ -171,6 +195,8 @@ class HostStage:
 
     @contextlib.contextmanager
     def _locked(self, deadline: Deadline, version: int) -> Iterator[None]:
+        """Hold the host's staging lock, and say in the lock file who holds it (a worker
+        that waits in vain names it)."""
         fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             delay = 0.005
@@ -181,11 +207,16 @@ class HostStage:
                 except BlockingIOError:
                     if deadline.expired():
                         raise WeightSyncTimeoutError(
-                            f"{self.name}: another worker of this host held its staging lock "
-                            f"for longer than {deadline} while fetching version {version} or "
-                            "newer") from None
+                            f"{self.name}: {_holder(fd)} held this host's staging lock for "
+                            f"longer than {deadline} while fetching version {version} or "
+                            "newer; a worker that stays stopped there holds up every worker "
+                            "of its host until it ends") from None
                     time.sleep(deadline.slice(delay))
                     delay = min(delay * 2, 0.05)
+            held = {"name": self.name, "pid": os.getpid(), "scope": pid_scope(),
+                    "version": version}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(held).encode(), 0)
             yield
         finally:
             os.close(fd)  # lets go of the lock
