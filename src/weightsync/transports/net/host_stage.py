@@ -5,10 +5,11 @@ The first worker that wants a version takes the host's lock (``flock``), fetches
 delta against the newest version staged here when the trainer still has that one)
 straight into a file of that directory, and commits it by writing its header beside it;
 the others find it there and copy from it. A worker that dies while fetching lets go of
-the lock with its process, and the next one fetches again; one that is stopped there keeps
-it, and the lock file names it (worker, pid, state) in its host-mates' timeout errors. Each worker holds a shared lock
-on the directory while it lives: the last one to leave removes the directory, and a
-worker's start removes those of this user whose workers are all gone.
+the lock with its process, and the next one fetches again; one stopped there keeps it, and
+its host-mates' timeout errors name it (the holder writes who it is in the lock file).
+Each worker holds a shared lock on the directory while it lives: the last one to leave
+removes the directory, and a worker's start removes those of this user whose workers are
+all gone.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def host_id() -> str:
 
 def _holder(fd: int) -> str:
     """Who holds the staging lock, as its holder wrote it in the lock file: the worker,
-    its pid, and whether that process is stopped, gone or not running (when this process
-    can see it)."""
+    its pid, and whether that process is stopped, gone or in uninterruptible sleep (when
+    its pid can be looked up here)."""
     try:
         held = json.loads(os.pread(fd, 4096, 0))
         name, pid = str(held["name"]), int(held["pid"])
@@ -209,14 +210,15 @@ class HostStage:
                         raise WeightSyncTimeoutError(
                             f"{self.name}: {_holder(fd)} held this host's staging lock for "
                             f"longer than {deadline} while fetching version {version} or "
-                            "newer; a worker that stays stopped there holds up every worker "
-                            "of its host until it ends") from None
+                            "newer (a worker stopped while it holds the lock holds up its host "
+                            "until it resumes or ends)") from None
                     time.sleep(deadline.slice(delay))
                     delay = min(delay * 2, 0.05)
             held = {"name": self.name, "pid": os.getpid(), "scope": pid_scope(),
                     "version": version}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(held).encode(), 0)
+            with contextlib.suppress(OSError):  # only an error's words depend on it
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(held).encode(), 0)
             yield
         finally:
             os.close(fd)  # lets go of the lock
