@@ -288,6 +288,8 @@ class StreamReader:
         pipe = self._pipe
         if pipe is not None:
             pipe.cancelled = True  # a read in the reader thread gives up within a tick
-        self.link.close()
-        if pipe is not None:
-            pipe.close()
+        self.link.close()  # joins the reader thread: a layout read before it swapped pipes
+        for held in (pipe, self._pipe):
+            if held is not None:
+                held.close()
+        self._pipe = None

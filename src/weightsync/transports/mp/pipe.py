@@ -176,8 +176,11 @@ class PipeWriter:
             raise ChannelTimeout(f"waited for {what} for {deadline}")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        """Close the write end, once: a second call must not close the number's next owner."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class PipeReader:
@@ -220,5 +223,9 @@ class PipeReader:
             raise ChannelClosed(f"the trailer names version {committed}, expected {version}")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        """Close the read end, once: a second call must not close the number's next owner
+        (a read still running fails on -1 as on a closed pipe)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
