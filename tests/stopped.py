@@ -13,6 +13,8 @@ import os
 import signal
 import time
 
+from weightsync.core.liveness import process_stat
+
 #: /proc's states of a thread that runs no more code: stopped, traced, dead
 _HALTED = frozenset("TtZX")
 
@@ -24,15 +26,10 @@ def running_threads(pid: int) -> list[int]:
     except FileNotFoundError:
         return []
     running = []
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # that thread ended meanwhile
-        state = stat.rsplit(")", 1)[1].split()[0]  # after "(comm)", which may hold spaces
-        if state not in _HALTED:
-            running.append(int(tid))
+    for tid in map(int, tids):
+        stat = process_stat(tid)  # /proc/<tid> is each thread's own, hidden from listings
+        if stat is not None and stat[0] not in _HALTED:  # None: that thread ended meanwhile
+            running.append(tid)
     return running
 
 
