@@ -36,6 +36,11 @@ BF16 = torch.bfloat16
 LR = 2e-6
 PORT = 8000
 WORKER_EXTENSION = "weightsync.bench.vllm_serve_worker.BenchWorkerExtension"
+#: vLLM's budget of tokens per engine step: after an in-flight take every running request
+#: recomputes its KV (a prefill of its whole context); in chunks of this many tokens the
+#: first request's next token comes after its own context, not after all of them
+#: (docs/vllm.md, "The recompute after a take")
+PREFILL_BUDGET = 64
 
 
 def llama_config(nbytes: int) -> Any:
@@ -233,7 +238,8 @@ def run_vllm_serve_bench(
         hosts.enter("a")
         server = VLLMServer(str(work / "model"), host=ADDRESS_B, port=PORT, netns=hosts.ns_b,
                             extra=("--worker-extension-cls", WORKER_EXTENSION,
-                                   "--max-model-len", "256", "--enable-scale-out"))
+                                   "--max-model-len", "256", "--enable-scale-out",
+                                   "--max-num-batched-tokens", str(PREFILL_BUDGET)))
         stack.callback(server.stop)
         stack.callback(shutil.rmtree, work, True)
         server.start().wait_ready(600)
