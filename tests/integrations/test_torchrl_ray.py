@@ -18,6 +18,7 @@ pytest.importorskip("torchrl", reason="torchrl is not installed (scripts/env-tor
 pytest.importorskip("gymnasium", reason="gymnasium is not installed")
 ray = pytest.importorskip("ray", reason="ray is not installed")
 
+from ray_processes import workers_without_vllm  # noqa: E402
 from torchrl.weight_update import WeightSyncScheme as TorchRLWeightSyncScheme  # noqa: E402
 from torchrl_helpers import fill_, make_cartpole, make_probe_policy  # noqa: E402
 from torchrl_ray_checks import (  # noqa: E402
@@ -42,9 +43,10 @@ logger = logging.getLogger(__name__)
 def ray_cluster() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()  # a Ray instance left by another module: this one needs its own
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", object_store_memory=100 * 1024 * 1024,
-             runtime_env={"env_vars": {"PYTHONPATH": python_path(HERE)}})
+    with workers_without_vllm():  # they import TorchRL, and use no vLLM
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", object_store_memory=100 * 1024 * 1024,
+                 runtime_env={"env_vars": {"PYTHONPATH": python_path(HERE)}})
     try:
         yield
     finally:
@@ -73,6 +75,28 @@ def test_one_import_line_gives_torchrls_ray_scheme() -> None:
     assert isinstance(made, RayWeightSyncScheme) and made.timeout == 5
     with pytest.raises(ValueError, match="backend"):
         RayWeightSyncScheme(backend="mpi")
+
+
+def test_the_clusters_workers_run_without_vllm(ray_cluster: None) -> None:
+    """``workers_without_vllm``: a Ray worker of this module's instance, and a process it
+    starts, find no vLLM (where it is installed, TorchRL would import it in each)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed: nothing to hide")
+
+    @ray.remote(num_cpus=0)
+    def finds_vllm() -> tuple[bool, bool]:
+        import subprocess
+        import sys
+
+        child = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                                "print(u.find_spec('vllm') is not None)"],
+                               capture_output=True, text=True, timeout=60, check=True)
+        return importlib.util.find_spec("vllm") is not None, child.stdout.strip() == "True"
+
+    assert ray.get(finds_vllm.remote(), timeout=60) == (False, False)
+    assert importlib.util.find_spec("vllm") is not None  # the driver keeps it
 
 
 @pytest.mark.parametrize("node_local", [True, False], ids=["node-local", "broadcast"])

@@ -4,6 +4,7 @@ collector actor 0 on host A, collector actor 1 on host B."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ pytest.importorskip("gymnasium", reason="gymnasium is not installed")
 ray = pytest.importorskip("ray", reason="ray is not installed")
 
 from multihost import TwoHostCluster, two_host_cluster, unavailable_reason  # noqa: E402
+from ray_processes import workers_without_vllm  # noqa: E402
 from torchrl_helpers import fill_, make_cartpole, make_probe_policy  # noqa: E402
 from torchrl_ray_checks import (  # noqa: E402
     actors_dead,
@@ -42,7 +44,9 @@ def cluster() -> Iterator[TwoHostCluster]:
         pytest.skip(f"two-host cluster unavailable: {reason}")
     if ray.is_initialized():
         ray.shutdown()  # a Ray instance left by another module: this one needs its own
-    with two_host_cluster(python_path(TESTS_DIR, HERE)) as made:
+    with contextlib.ExitStack() as started:
+        with workers_without_vllm():  # both hosts' Ray nodes: TorchRL, and no vLLM
+            made = started.enter_context(two_host_cluster(python_path(TESTS_DIR, HERE)))
         yield made
     assert made.leftovers() == [], made.leftovers()
 

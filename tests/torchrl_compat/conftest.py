@@ -26,6 +26,7 @@ with the stacks and the test's id, rather than let a test blocked in Ray hang it
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -95,8 +96,12 @@ def substitute() -> dict[str, list[str]]:
 
 
 def _ray_workers_see_our_path() -> None:
-    """Ray actors inherit the driver's PYTHONPATH and weightsync's directory."""
+    """Ray actors inherit the driver's PYTHONPATH and weightsync's directory; a Ray instance
+    that TorchRL's tests here start (their ``runtime_env``'s working directory is this one)
+    runs its workers without vLLM (``workers_without_vllm``: they use none, and TorchRL
+    would import it in every actor and collector process)."""
     import ray
+    from ray_processes import workers_without_vllm
 
     import weightsync
 
@@ -113,7 +118,10 @@ def _ray_workers_see_our_path() -> None:
         env_vars["PYTHONPATH"] = os.pathsep.join(paths + [p for p in extra if p not in paths])
         runtime_env["env_vars"] = env_vars
         kwargs["runtime_env"] = runtime_env
-        return original(*args, **kwargs)
+        mine = os.path.abspath(str(runtime_env.get("working_dir", ""))) == os.path.dirname(
+            os.path.abspath(__file__))
+        with workers_without_vllm() if mine else contextlib.nullcontext():
+            return original(*args, **kwargs)
 
     init._weightsync_compat = True  # type: ignore[attr-defined]
     ray.init = init
@@ -175,17 +183,22 @@ CI_KEEP: dict[str, tuple[str, ...] | None] = {
         "device0-True-MultiAsyncCollector-1",
         "device0-False-collector_class2-1",
     ),
-    # TestRayCollector (one Ray instance for the class, 6-18 s a test on 2 cores): the
-    # twelve [pfactory-sync-collector_class] cases keep each collector class, with and
+    # TestRayCollector (one Ray instance for the class; 20-100 s a test in a full run on 2
+    # cores, each collector actor and each of its processes importing torch and TorchRL):
+    # the twelve [pfactory-sync-collector_class] cases keep each collector class, with and
     # without a policy factory, sync and async at least once; basic[100] repeats [50]
     "test_distributed.py::TestRayCollector::test_distributed_collector_updatepolicy": (
-        "False-True-MultiSyncCollector",
         "True-False-MultiSyncCollector",
         "False-False-MultiAsyncCollector",
-        "True-True-MultiAsyncCollector",
         "True-True-Collector",
     ),
     "test_distributed.py::TestRayCollector::test_distributed_collector_basic": ("50",),
+    # each class in a node collects there in the updatepolicy cases above, which also
+    # check the weights; the single-process class stays, the plain case of the suite
+    "test_distributed.py::TestRayCollector::test_distributed_collector_class": ("Collector",),
+    # [sync]: the sync and async paths both run above; the shutdown check keeps one
+    "test_distributed.py::TestRayCollector::test_collector_shutdown_clears_python_processes": (
+        "True",),
     # a RandomPolicy (no weights to move) in a child process of its own (~19 s each)
     "test_distributed.py::TestRayCollector::test_distributed_collector_mult": None,
     "test_distributed.py::TestRayCollector::test_collector_next_method": None,
