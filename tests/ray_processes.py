@@ -3,33 +3,26 @@ shuts down cleanly), and workers that import TorchRL without vLLM."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+from unittest import mock
 
 #: A process started with this set to "1" runs as if vLLM were not installed (a line in the
 #: test environment's site-packages, written by scripts/env-vllm.sh).
 WITHOUT_VLLM = "WEIGHTSYNC_TEST_WITHOUT_VLLM"
 
 
-@contextlib.contextmanager
-def workers_without_vllm() -> Iterator[None]:
+def workers_without_vllm() -> AbstractContextManager[Any]:
     """A Ray instance started inside (its raylet, and so every worker it starts and the
     processes those start) runs Python as if vLLM were not installed: TorchRL imports vLLM
     whenever it is installed, which costs each collector actor and each of its worker
     processes 6 s of CPU here (11 s to import TorchRL's collectors, 5 s without vLLM),
     for tests whose Ray workers never use vLLM."""
-    saved = os.environ.get(WITHOUT_VLLM)
-    os.environ[WITHOUT_VLLM] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(WITHOUT_VLLM, None)
-        else:
-            os.environ[WITHOUT_VLLM] = saved
+    return mock.patch.dict(os.environ, {WITHOUT_VLLM: "1"})
 
 
 def ray_processes(session_dir: str) -> list[str]:
