@@ -36,16 +36,6 @@ if mp.get_start_method(allow_none=True) is None:
     if START_METHOD == "forkserver":
         mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
-#: Ray starts its workers at niceness 15 (``RAY_worker_niceness``) to keep its own daemons
-#: responsive. On two cores, beside the other pytest worker's vLLM or collectors at niceness
-#: 0, such a worker gets a few percent of a core: a TorchRL-on-Ray test that takes 12 s
-#: alone took 365 s beside two spinning processes (19-26 s with its workers at 0), and Ray
-#: rank processes gave up on 5 s calls while the other worker started vLLM. The tests' Ray
-#: instances (and the processes they start) inherit this and run their workers at the
-#: tests' own priority.
-RAY_WORKER_NICENESS = "RAY_worker_niceness"
-os.environ.setdefault(RAY_WORKER_NICENESS, "0")
-
 
 def _zero_copy_scheme(*args: Any, **kwargs: Any) -> ws.SharedMemWeightSyncScheme:
     """SharedMem whose receivers default to zero-copy (weights are views into the slot)."""

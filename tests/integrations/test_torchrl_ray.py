@@ -99,17 +99,6 @@ def test_the_clusters_workers_run_without_vllm(ray_cluster: None) -> None:
     assert importlib.util.find_spec("vllm") is not None  # the driver keeps it
 
 
-def test_the_clusters_workers_run_at_the_tests_priority(ray_cluster: None) -> None:
-    """The tests' Ray workers run at the driver's niceness, not at Ray's default 15, which
-    starves them beside the other pytest worker (tests/conftest.py)."""
-
-    @ray.remote(num_cpus=0)
-    def niceness() -> int:
-        return os.nice(0)
-
-    assert ray.get(niceness.remote(), timeout=60) == os.nice(0)
-
-
 @pytest.mark.parametrize("node_local", [True, False], ids=["node-local", "broadcast"])
 def test_ray_collector_versions_worker_ids_and_shutdown(ray_cluster: None,
                                                         node_local: bool) -> None:
